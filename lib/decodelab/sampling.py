@@ -1,0 +1,413 @@
+"""Samplers: temperature and truncation filters over a batch of logits, and inverse-CDF sampling.
+
+Every filter is a pure function ``(B, V) -> (B, V)`` that sets removed tokens to ``-inf`` and takes
+its parameter per row (a float, or a tensor of shape ``(B,)``), so one batch may mix settings. A row
+whose parameter disables the filter (``top_k=0``, ``top_p=1``, ``min_p=0``, ``typical_p=1``,
+``epsilon=0``, ``eta=0``, ``temperature=1``) passes through unchanged. Semantics follow the
+transformers warpers with ``min_tokens_to_keep=1``, so the filters can be checked against them.
+
+Apart from typical sampling, every filter keeps the tokens whose logit is at least a per-row
+threshold ``thr`` (B, 1). The pipeline in :class:`Sampler` exploits that: it sorts each row's values
+once (values only, no indices: on CPU numpy's SIMD sort is ~25x faster than ``torch.sort``), and
+applies each threshold both to the logits and to the sorted copy, which stays sorted. Top-k, top-p
+and the final inverse-CDF draw all read that one sorted copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+NEG_INF = float("-inf")
+
+# Stage names, as SamplerConfig fields.
+STAGES = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon", "eta")
+# transformers `GenerationMixin._get_logits_processor`: temperature, top-k, top-p, min-p, typical,
+# epsilon, eta.
+HF_ORDER = STAGES
+# vLLM V1 `Sampler.sample`: temperature, then the argmax-invariant processors (min-p), then top-k and
+# top-p together (top-k first). vLLM has no typical/epsilon/eta; they follow in Hugging Face's order.
+VLLM_ORDER = ("temperature", "min_p", "top_k", "top_p", "typical_p", "epsilon", "eta")
+# A row with this value leaves the stage a no-op.
+_NEUTRAL = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon=0.0, eta=0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _row_param(value, logits: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A float/int or a (B,) tensor -> (B, 1) tensor on the logits' device (broadcasts over V)."""
+    dtype = dtype or logits.dtype
+    t = torch.as_tensor(value, dtype=dtype, device=logits.device)
+    return t.reshape(-1, 1) if t.ndim else t.reshape(1, 1)
+
+
+def _keep_at_least(logits: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
+    """(B, V), (B, 1) -> (B, V): tokens with logit < thr set to -inf."""
+    return logits.masked_fill(logits < thr, NEG_INF)
+
+
+def sort_values(logits: torch.Tensor) -> torch.Tensor:
+    """(B, V) -> (B, V) each row's values in ascending order (no indices).
+
+    On CPU numpy's SIMD sort is used: for (64, 49152) float32 it takes ~13 ms where ``torch.sort``
+    takes ~350 ms on one thread. Elsewhere ``torch.sort``.
+    """
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        import numpy as np
+
+        return torch.from_numpy(np.sort(logits.detach().contiguous().numpy(), axis=-1))
+    return torch.sort(logits, dim=-1).values
+
+
+# ----------------------------------------------------------------------------------------------
+# thresholds: (B, V) logits -> (B, 1) smallest logit kept. `sorted_asc` is sort_values(logits).
+
+
+def top_k_threshold(logits: torch.Tensor, top_k, sorted_asc: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) -> (B, 1): the k-th largest logit (ties with it are kept, as in TopKLogitsWarper).
+
+    top_k = 0 disables (threshold -inf); top_k >= V keeps everything.
+    """
+    sa = sort_values(logits) if sorted_asc is None else sorted_asc
+    V = sa.shape[-1]
+    k = _row_param(top_k, sa, torch.long).expand(sa.shape[0], 1)
+    kth = sa.gather(-1, (V - k.clamp(1, V)))  # ascending: the k-th largest sits at V - k
+    return torch.where(k > 0, kth, NEG_INF)
+
+
+def top_p_threshold(logits: torch.Tensor, top_p, sorted_asc: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) -> (B, 1): nucleus threshold, as TopPLogitsWarper.
+
+    Ascending order, cumulative mass c_i = sum_{j <= i} p_j: token i is removed iff c_i <= 1 - top_p
+    (the tail it closes holds at most 1 - top_p), the most probable token is always kept.
+    Removed tokens form a prefix of the ascending order, so the cut is a threshold on the logit.
+    top_p = 1 disables.
+    """
+    sa = sort_values(logits) if sorted_asc is None else sorted_asc
+    V = sa.shape[-1]
+    p = _row_param(top_p, sa, torch.float64).expand(sa.shape[0], 1)
+    cum = sa.softmax(dim=-1).cumsum_(dim=-1)  # non-decreasing, so the removed count is a binary search
+    tail = (1 - p).to(sa.dtype)  # 1 - top_p in double, then rounded, as the warper's scalar compare
+    n_removed = torch.searchsorted(cum, tail.contiguous(), right=True).clamp(max=V - 1)
+    return torch.where(p < 1, sa.gather(-1, n_removed), NEG_INF)
+
+
+def min_p_threshold(logits: torch.Tensor, min_p) -> torch.Tensor:
+    """(B, V) -> (B, 1): min-p keeps p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p).
+
+    The softmax normalizer cancels, so no softmax is needed; the argmax always survives (min_p <= 1).
+    min_p = 0 disables (log 0 = -inf).
+    """
+    m = _row_param(min_p, logits)
+    return logits.amax(dim=-1, keepdim=True) + torch.log(m)
+
+
+def epsilon_threshold(logits: torch.Tensor, epsilon) -> torch.Tensor:
+    """(B, V) -> (B, 1): epsilon sampling keeps p_i >= epsilon  <=>  logit_i >= logsumexp + log(epsilon),
+    and always the argmax (EpsilonLogitsWarper). epsilon = 0 disables."""
+    eps = _row_param(epsilon, logits)
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    return torch.minimum(lse + torch.log(eps), logits.amax(dim=-1, keepdim=True))
+
+
+def eta_threshold(logits: torch.Tensor, eta) -> torch.Tensor:
+    """(B, V) -> (B, 1): eta sampling (Hewitt et al. 2022, EtaLogitsWarper) keeps p_i >= cut with
+    cut = min(eta, sqrt(eta) * exp(-H)), H the entropy of the row; always the argmax. eta = 0 disables."""
+    e = _row_param(eta, logits)
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    entropy = torch.special.entr((logits - lse).exp()).sum(dim=-1, keepdim=True)  # H = -sum p log p
+    cut = torch.minimum(e, e.sqrt() * torch.exp(-entropy))
+    return torch.minimum(lse + torch.log(cut), logits.amax(dim=-1, keepdim=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# filters: (B, V) -> (B, V), removed tokens at -inf
+
+
+def apply_temperature(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """(B, V) -> (B, V): logits / T per row. T = 0 rows become greedy: the argmax (first one on ties)
+    keeps its logit, every other token -inf (the T -> 0 limit of softmax(logits / T))."""
+    t = _row_param(temperature, logits)
+    scaled = logits / torch.where(t > 0, t, 1.0)
+    if not bool((t == 0).any()):
+        return scaled
+    onehot = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.argmax(-1, keepdim=True), True)
+    return torch.where(t == 0, logits.masked_fill(~onehot, NEG_INF), scaled)
+
+
+def top_k_filter(logits: torch.Tensor, top_k) -> torch.Tensor:
+    """(B, V) -> (B, V): keep the k most probable tokens per row (ties at the k-th kept); 0 disables."""
+    return _keep_at_least(logits, top_k_threshold(logits, top_k))
+
+
+def top_p_filter(logits: torch.Tensor, top_p) -> torch.Tensor:
+    """(B, V) -> (B, V): keep the smallest most-probable set with mass >= top_p (nucleus); 1 disables."""
+    return _keep_at_least(logits, top_p_threshold(logits, top_p))
+
+
+def min_p_filter(logits: torch.Tensor, min_p) -> torch.Tensor:
+    """(B, V) -> (B, V): keep tokens with p >= min_p * p_max; 0 disables."""
+    return _keep_at_least(logits, min_p_threshold(logits, min_p))
+
+
+def epsilon_filter(logits: torch.Tensor, epsilon) -> torch.Tensor:
+    """(B, V) -> (B, V): keep tokens with p >= epsilon (and the argmax); 0 disables."""
+    return _keep_at_least(logits, epsilon_threshold(logits, epsilon))
+
+
+def eta_filter(logits: torch.Tensor, eta) -> torch.Tensor:
+    """(B, V) -> (B, V): keep tokens with p >= min(eta, sqrt(eta) exp(-H)) (and the argmax); 0 disables."""
+    return _keep_at_least(logits, eta_threshold(logits, eta))
+
+
+def typical_filter(logits: torch.Tensor, typical_p) -> torch.Tensor:
+    """(B, V) -> (B, V): locally typical sampling (Meister et al. 2023, TypicalLogitsWarper).
+
+    Rank tokens by |-log p_i - H| (distance of their surprisal from the entropy H), keep the
+    smallest set of most typical tokens whose mass reaches typical_p (the most typical token always).
+    Not a threshold on the logit: the kept set need not contain the argmax. typical_p = 1 disables.
+    One full argsort (torch.sort), so it is the one costly filter.
+    """
+    mass = _row_param(typical_p, logits)
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp * logp.exp()).nansum(dim=-1, keepdim=True)  # 0 * -inf = nan -> dropped
+    shifted = (-logp - entropy).abs()
+    sorted_shifted, order = torch.sort(shifted, dim=-1)
+    cum = logits.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cum < mass).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    remove_sorted = sorted_shifted > sorted_shifted.gather(-1, last)
+    remove_sorted[..., :1] = False
+    remove = remove_sorted.scatter(-1, order, remove_sorted) & (mass < 1)
+    return logits.masked_fill(remove, NEG_INF)
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling
+
+
+def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, sorted_asc: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) logits, (B,) uniforms in [0, 1) -> (B,) long token ids drawn from softmax(logits).
+
+    Rank-ordered inverse CDF: with tokens ordered from least to most probable and c their cumulative
+    mass (total C), pick the first position i with c_i > (1 - u) * C. So u near 0 picks the most
+    probable token, and the same u gives paired draws across samplers that share the ranking
+    (truncating the tail never moves the head's intervals by more than the renormalization).
+    P(i) = (c_i - c_{i-1}) / C exactly. A chosen i always has p_i > 0: c strictly increases there
+    (adding a float 0 never does), and the clamp for (1 - u) C rounding up to C lands on the argmax.
+    Ties (equal logits) share the rank interval: the j-th of them in the order goes to the j-th
+    such token id.
+    """
+    sa = sort_values(logits) if sorted_asc is None else sorted_asc
+    B, V = sa.shape
+    cum = sa.softmax(dim=-1).cumsum_(dim=-1)
+    target = (1 - u.to(cum.device, cum.dtype)).reshape(B, 1) * cum[:, -1:]
+    pos = torch.searchsorted(cum, target, right=True).clamp(max=V - 1)  # (B, 1)
+    value = sa.gather(-1, pos)
+    # position within the run of equal values; 0 for every row unless logits tie
+    tie_rank = pos - torch.searchsorted(sa, value, right=False)
+    equal = logits == value
+    if not bool((tie_rank > 0).any()):
+        return equal.view(torch.uint8).argmax(dim=-1)  # the one token holding that value
+    # the run of equal values holds one slot per tied token: slot j goes to the j-th such token id
+    nth = equal.cumsum(dim=-1)  # 1-based count of equal tokens up to each id
+    return (equal & (nth == tie_rank + 1)).view(torch.uint8).argmax(dim=-1)
+
+
+def draw_uniforms(generator, batch_size: int, device=None) -> torch.Tensor:
+    """One uniform per row, (B,) float32: `torch.rand(B, generator=g)` or one from each of B generators.
+    Never touches the global RNG."""
+    if isinstance(generator, torch.Generator):
+        return torch.rand(batch_size, generator=generator, device=generator.device).to(device)
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != batch_size:
+            raise ValueError(f"generator: got a list of {len(generator)} generators, need one per row ({batch_size})")
+        return torch.cat([torch.rand(1, generator=g, device=g.device).to(device) for g in generator])
+    raise ValueError(f"generator={generator!r} must be a torch.Generator or a list of {batch_size} of them")
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration and pipeline
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """One row's sampling settings. Defaults disable every filter (plain softmax sampling at T=1)."""
+
+    temperature: float = 1.0  # >= 0; 0 = greedy
+    top_k: int = 0  # >= 0; 0 = off
+    top_p: float = 1.0  # (0, 1]; 1 = off
+    min_p: float = 0.0  # [0, 1]; 0 = off
+    typical_p: float = 1.0  # (0, 1]; 1 = off
+    epsilon: float = 0.0  # [0, 1); 0 = off
+    eta: float = 0.0  # [0, 1); 0 = off
+
+    def __post_init__(self):
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
+        checks = dict(
+            temperature=(lambda v: v >= 0, ">= 0 (0 means greedy)"),
+            top_p=(lambda v: 0 < v <= 1, "in (0, 1] (1 disables top-p)"),
+            min_p=(lambda v: 0 <= v <= 1, "in [0, 1] (0 disables min-p)"),
+            typical_p=(lambda v: 0 < v <= 1, "in (0, 1] (1 disables typical sampling)"),
+            epsilon=(lambda v: 0 <= v < 1, "in [0, 1) (0 disables epsilon sampling)"),
+            eta=(lambda v: 0 <= v < 1, "in [0, 1) (0 disables eta sampling)"),
+        )
+        for name, (ok, allowed) in checks.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):  # NaN fails ok()
+                raise ValueError(f"{name}={value!r} must be a number {allowed}")
+            object.__setattr__(self, name, float(value))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def label(self) -> str:
+        """Short readable label: the active filters, then T, e.g. "min_p=0.1,T=1.0"; "greedy" at T=0."""
+        if self.is_greedy:
+            return "greedy"
+        parts = [f"{f}={getattr(self, f):g}" for f in STAGES[1:] if getattr(self, f) != _NEUTRAL[f]]
+        return ",".join(parts + [f"T={self.temperature}"])
+
+    @property
+    def name(self) -> str:
+        return self.label()
+
+
+def _resolve_order(order) -> tuple[str, ...]:
+    if isinstance(order, str):
+        presets = {"hf": HF_ORDER, "vllm": VLLM_ORDER}
+        if order not in presets:
+            raise ValueError(f"order={order!r} must be 'hf', 'vllm' or a list of stage names from {list(STAGES)}")
+        return presets[order]
+    names = tuple(order)
+    for n in names:
+        if n not in STAGES:
+            raise ValueError(f"order: unknown stage {n!r}; allowed stage names are {list(STAGES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"order={list(names)!r} names a stage twice")
+    return names
+
+
+class Sampler:
+    """Per-row sampling pipeline over (B, V) logits.
+
+    Sampler(cfg) applies one config to every row; Sampler([cfg_0, ..., cfg_{B-1}]) one per row.
+    order: "hf" (transformers: temperature, top-k, top-p, min-p, typical, epsilon, eta), "vllm"
+    (vLLM V1: temperature, min-p, top-k, top-p, then typical, epsilon, eta), or an explicit list of
+    stage names, e.g. ["top_p", "temperature"] to truncate before scaling. A stage missing from an
+    explicit list is not applied, so a config that uses it raises ValueError.
+    Temperature-0 rows are greedy whatever the order: one-hot on the raw argmax.
+    """
+
+    def __init__(self, configs: SamplerConfig | Sequence[SamplerConfig] = SamplerConfig(), order="hf"):
+        self.configs = [configs] if isinstance(configs, SamplerConfig) else list(configs)
+        if not self.configs or not all(isinstance(c, SamplerConfig) for c in self.configs):
+            raise ValueError(f"configs={configs!r} must be a SamplerConfig or a non-empty list of them")
+        self.per_row = not isinstance(configs, SamplerConfig)
+        self.order = _resolve_order(order)
+        self._cpu = {
+            f: torch.tensor([getattr(c, f) for c in self.configs], dtype=torch.long if f == "top_k" else torch.float64)
+            for f in STAGES
+        }
+        # stages some row actually uses, in pipeline order (the others are exact no-ops: skipped)
+        active = {f for f in STAGES if bool((self._cpu[f] != _NEUTRAL[f]).any())}
+        missing = sorted(active - set(self.order))
+        if missing:
+            raise ValueError(f"order={list(self.order)!r} leaves out {missing}, which the configs use")
+        self.stages = [f for f in self.order if f in active]
+        self._greedy_rows = self._cpu["temperature"] == 0
+        self.is_greedy = bool(self._greedy_rows.all())
+        self._any_greedy = bool(self._greedy_rows.any())
+        self._on: dict = {}
+
+    def __repr__(self) -> str:
+        labels = sorted({c.label() for c in self.configs})
+        return f"Sampler({'; '.join(labels)}, order={list(self.order)})"
+
+    def label(self) -> str:
+        return self.configs[0].label() if len(set(self.configs)) == 1 else "mixed"
+
+    def to(self, device) -> "Sampler":
+        """Move the per-row parameter tensors to device (done lazily anyway on first use)."""
+        self._params(torch.device(device))
+        return self
+
+    def _params(self, device) -> dict:
+        device = torch.device(device)
+        if device not in self._on:
+            p = {f: t.to(device) for f, t in self._cpu.items()}
+            p["greedy"] = self._greedy_rows.to(device).reshape(-1, 1)
+            self._on[device] = p
+        return self._on[device]
+
+    def _check(self, logits: torch.Tensor) -> None:
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
+        if self.per_row and logits.shape[0] != len(self.configs):
+            raise ValueError(f"logits have {logits.shape[0]} rows but the sampler has {len(self.configs)} configs")
+
+    def _run(self, logits: torch.Tensor, need_sorted: bool):
+        """(B, V) -> processed (B, V) float32 and, if need_sorted, its ascending sort (or None)."""
+        self._check(logits)
+        x = logits.float()
+        p = self._params(x.device)
+        sa = None
+        for stage in self.stages:
+            if stage == "temperature":
+                if self._any_greedy:
+                    x, sa = apply_temperature(x, p["temperature"]), None
+                    continue
+                t = p["temperature"].reshape(-1, 1).to(x.dtype)
+                x = x / t  # the one copy; later stages work in place on x and sa
+                if sa is not None:
+                    sa.div_(t)
+                continue
+            if stage == "typical_p":
+                x, sa = typical_filter(x, p["typical_p"]), None  # not a threshold: the sort goes stale
+                continue
+            if stage in ("top_k", "top_p") and sa is None:
+                sa = sort_values(x)
+            thr = {
+                "top_k": lambda: top_k_threshold(x, p["top_k"], sa),
+                "top_p": lambda: top_p_threshold(x, p["top_p"], sa),
+                "min_p": lambda: min_p_threshold(x, p["min_p"]),
+                "epsilon": lambda: epsilon_threshold(x, p["epsilon"]),
+                "eta": lambda: eta_threshold(x, p["eta"]),
+            }[stage]()
+            # the same threshold on the logits and on their sorted copy keeps the two consistent
+            x = x.clone() if x.data_ptr() == logits.data_ptr() else x
+            x.masked_fill_(x < thr, NEG_INF)
+            if sa is not None:
+                sa.masked_fill_(sa < thr, NEG_INF)
+        if self._any_greedy:  # T = 0: one-hot on the raw argmax, whatever ran before
+            raw = logits.float()
+            onehot = torch.zeros_like(raw, dtype=torch.bool).scatter_(-1, raw.argmax(-1, keepdim=True), True)
+            x = torch.where(p["greedy"], raw.masked_fill(~onehot, NEG_INF), x)
+            sa = None
+        if need_sorted and sa is None:
+            sa = sort_values(x)
+        return x, sa
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) -> (B, V) float32: temperature and filters in order, removed tokens at -inf."""
+        return self._run(logits, need_sorted=False)[0]
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) -> (B, V): the sampling distribution, rows sum to 1; temperature-0 rows one-hot."""
+        return self.process(logits).softmax(dim=-1)
+
+    def sample(self, logits: torch.Tensor, generator) -> torch.Tensor:
+        """(B, V) -> (B,) long. One uniform per row from `generator` (a torch.Generator, or a list of B),
+        drawn even for greedy rows so that generator streams stay aligned across samplers."""
+        self._check(logits)
+        u = draw_uniforms(generator, logits.shape[0], logits.device)
+        if self.is_greedy:
+            return logits.argmax(dim=-1)
+        x, sa = self._run(logits, need_sorted=True)
+        return sample_inverse_cdf(x, u, sa)
