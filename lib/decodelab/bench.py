@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--batch-sizes={args.batch_sizes!r} must be comma-separated integers, e.g. 1,4,16,64")
 
     from decodelab.models import load_model
-    from decodelab.runs import environment_info, results_root
+    from decodelab.provenance import environment_info
+    from decodelab.runs import results_root
 
     model = load_model(args.model)
     rows = decode_throughput(model, batch_sizes, args.max_new_tokens, repeats=args.repeats)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from decodelab import profiles
-from decodelab.provenance import collect_env, environment_info, kernel_env, repo_root  # noqa: F401 (re-exported)
+from decodelab.provenance import collect_env, kernel_env, repo_root
 
 # runner name -> notebook file under notebooks/
 NOTEBOOKS = {
@@ -300,7 +300,7 @@ def kernel_name() -> str:
     """The registered "decodelab" kernel when it runs this very Python, else "python3" (which
     jupyter_client maps to the current interpreter)."""
     try:
-        from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+        from jupyter_client.kernelspec import KernelSpecManager
 
         spec = KernelSpecManager().get_kernel_spec(KERNEL_NAME)
     except Exception:  # no spec, or jupyter_client missing/odd
