@@ -34,7 +34,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not browser" tests
 
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 report: setup
 	$(PY) -m decodelab report
