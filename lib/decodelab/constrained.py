@@ -1,0 +1,423 @@
+"""Constrained decoding on the decode engine: per-step masks, batched rows, jump-forward, validation.
+
+The loop (per step, B rows):  logits (B, V) -> fill each row's mask (engine) -> disallowed at -inf ->
+sampler picks (B,) -> matchers accept -> [jump-forward appends forced tokens] -> one forward of every
+row's pending tokens (ragged, `n_new` per row) -> logits of each row's last token.
+
+Jump-forward modes:
+- "off": one token per forward pass.
+- "tokens": while the mask allows exactly one token, append it without asking the model. Greedy output
+  is token-for-token the same as "off" (a one-token mask leaves argmax no choice); those tokens then ride
+  in the next forward together, so the forward passes for them are saved.
+- "retokenize": SGLang-style. Append the whole string the grammar forces (`forced_string`), re-tokenizing
+  the last sampled token + that string canonically, since the boundary token may merge with it. Saves more
+  passes but picks the tokenization itself, so outputs can differ from "off" (the notebook measures how often).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decodelab.jump_forward import forced_tokens, retokenize_forward
+from decodelab.masks import (BatchMasker, replay_mask_times, Constraint, ConstraintError, MaskEngine, UnsupportedConstraint, allocate_bitmask,
+                             apply_bitmask,
+                             make_engine)
+
+JUMP_FORWARD = ("off", "tokens", "retokenize")
+__all__ = ["Constraint", "ConstraintError", "UnsupportedConstraint", "make_engine", "generate", "validate_output",
+           "ConstrainedResult", "JUMP_FORWARD"]
+
+
+@dataclass
+class ConstrainedResult:
+    tokens: list[list[int]]          # new tokens per row, EOS included when the grammar ended
+    texts: list[str]                 # decoded outputs (EOS dropped)
+    finished: list[bool]             # whether each row's grammar terminated (False: ran out of max_new_tokens)
+    valid: list[bool]                # parses and validates (jsonschema / regex full match)
+    forward_passes: int              # model calls after the prefill
+    jumped_tokens: int               # tokens appended by jump-forward without a model call of their own
+    mask_s: list[float] = field(default_factory=list)   # wall seconds filling all rows' masks, per step
+    step_s: list[float] = field(default_factory=list)   # wall seconds of the model forward, per step
+    prefill_s: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def validate_output(constraint: Constraint, text: str) -> bool:
+    """Does `text` satisfy the constraint? JSON: parses and validates (jsonschema); regex: full match."""
+    if constraint.kind == "json":
+        import jsonschema
+
+        try:
+            jsonschema.validate(json.loads(text), constraint.spec)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            return False
+        return True
+    import regex
+
+    return regex.fullmatch(constraint.pattern, text) is not None
+
+
+def compile_all(engine: MaskEngine, constraints: list[Constraint]) -> list:
+    """Compile each distinct constraint once (errors raise here, before any generation)."""
+    cache: dict[int, object] = {}
+    out = []
+    for c in constraints:
+        key = id(c)
+        if key not in cache:
+            cache[key] = engine.compile(c)
+        out.append(cache[key])
+    return out
+
+
+@torch.inference_mode()
+def generate(model, prompts: list[list[int]], constraint: Constraint | list[Constraint], engine: MaskEngine, *,
+             max_new_tokens: int = 128, sampler=None, generator=None, jump_forward: str = "off",
+             tokenizer=None) -> ConstrainedResult:
+    """Constrained batched decoding. constraint: one for all rows or one per row.
+
+    sampler: decodelab.sampling.Sampler (None = greedy); generator: torch.Generator (or one per row).
+    tokenizer: needed to decode texts and for jump_forward="retokenize" (default: engine.tokenizer).
+    Raises ConstraintError / UnsupportedConstraint before generation if a constraint does not compile.
+    """
+    from decodelab.engine import as_transformer, pick_tokens, prefill, synchronize
+
+    if jump_forward not in JUMP_FORWARD:
+        raise ValueError(f"jump_forward={jump_forward!r} must be one of {list(JUMP_FORWARD)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    constraints = constraint if isinstance(constraint, list) else [constraint] * len(prompts)
+    if len(constraints) != len(prompts):
+        raise ValueError(f"got {len(constraints)} constraints for {len(prompts)} prompts; give one or one per row")
+    tokenizer = tokenizer or engine.tokenizer
+    masker = BatchMasker(engine, compile_all(engine, constraints))
+    tr = as_transformer(model)
+    batch = len(prompts)
+
+    synchronize(tr.device)
+    start = time.perf_counter()
+    # slack for jump-forward: a row may append up to max_new_tokens in one forward
+    cache, logits = prefill(tr, prompts, max_new_tokens=max_new_tokens, extra=max_new_tokens + 1)
+    synchronize(tr.device)
+    result = ConstrainedResult([[] for _ in prompts], [], [False] * batch, [], 0, 0, prefill_s=time.perf_counter() - start)
+    done = [False] * batch
+    while True:
+        alive = [r for r in range(batch) if not done[r]]
+        start = time.perf_counter()
+        bitmask = masker.fill(alive)
+        masked = apply_bitmask(logits.float(), bitmask.to(logits.device))
+        result.mask_s.append(time.perf_counter() - start)
+        picked = pick_tokens(masked, sampler, generator).tolist()
+        pending: list[list[int]] = [[] for _ in range(batch)]
+        for r in alive:
+            matcher = masker.matchers[r]
+            if not matcher.accept(picked[r]):
+                raise RuntimeError(f"engine {engine.name!r} rejected token {picked[r]} it allowed (row {r})")
+            pending[r].append(picked[r])
+            budget = max_new_tokens - len(result.tokens[r]) - 1
+            if jump_forward == "tokens":
+                pending[r] += forced_tokens(matcher, engine.vocab_size, budget)
+            elif jump_forward == "retokenize" and not matcher.is_terminated():
+                pending[r] = retokenize_forward(matcher, pending[r], tokenizer, budget)
+            result.jumped_tokens += len(pending[r]) - 1
+            result.tokens[r] += pending[r]
+            if matcher.is_terminated():
+                done[r], result.finished[r] = True, True
+            elif len(result.tokens[r]) >= max_new_tokens:
+                done[r] = True
+        if all(done):
+            break
+        width = max(len(p) for p in pending)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        for r, p in enumerate(pending):
+            tokens[r, : len(p)] = torch.tensor(p, dtype=torch.long)
+        n_new = torch.tensor([len(p) for p in pending], dtype=torch.long)
+        start = time.perf_counter()
+        logits = _forward_last(tr, cache, tokens.to(tr.device), n_new.to(tr.device))
+        synchronize(tr.device)
+        result.step_s.append(time.perf_counter() - start)
+        result.forward_passes += 1
+    stops = set(engine.stop_token_ids)
+    result.texts = [tokenizer.decode([t for t in row if t not in stops]) if tokenizer is not None else "" for row in result.tokens]
+    result.valid = [f and validate_output(c, text) for f, c, text in zip(result.finished, constraints, result.texts)]
+    return result
+
+
+def _forward_last(tr, cache, tokens: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
+    """Append each row's n_new tokens (right-padded) -> logits after each row's last new token (B, V).
+
+    Finished rows pass n_new = 0: nothing is appended for them and their logits are ignored.
+    """
+    if tokens.shape[1] == 1 and bool((n_new == 1).all()):
+        return tr.forward(tokens, cache, logits_at="all")[:, 0]
+    safe = torch.clamp(n_new, min=1)
+    logits = tr.forward(tokens, cache, n_new=safe, logits_at="last")
+    cache.crop(cache.lengths - (safe - n_new))
+    return logits
+
+
+# ---------------------------------------------------------------- schema suite (experiments 3-5)
+
+def default_schemas_file():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2] / "data" / "schemas.json"
+
+
+def load_schemas(path=None, names: list[str] | None = None) -> list[dict]:
+    """Entries {name, prompt, fixed_keys, schema} from a JSON list; bare schemas get a name and a prompt."""
+    from pathlib import Path
+
+    path = Path(path) if path else default_schemas_file()
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"schemas_file={str(path)!r} must hold a non-empty JSON list of schemas")
+    entries = []
+    for index, item in enumerate(raw):
+        if isinstance(item, dict) and "schema" in item:
+            entry = dict(item)
+        else:
+            entry = {"name": (item.get("title") if isinstance(item, dict) else None) or f"schema_{index}", "schema": item}
+        entry.setdefault("prompt", "Reply with a JSON object that matches this JSON schema: " + json.dumps(entry["schema"]))
+        entry.setdefault("fixed_keys", _has_fixed_keys(entry["schema"]))
+        entries.append(entry)
+    if names is not None:
+        by_name = {e["name"]: e for e in entries}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise ValueError(f"schemas {unknown!r} are not in {path.name}; allowed: {sorted(by_name)}")
+        entries = [by_name[n] for n in names]
+    return entries
+
+
+def _has_fixed_keys(schema) -> bool:
+    """All properties required and no others allowed (recursively for nested objects)."""
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        return True
+    props = schema.get("properties", {})
+    return (set(schema.get("required", [])) == set(props) and schema.get("additionalProperties") is False
+            and all(_has_fixed_keys(p) for p in props.values()))
+
+
+def schema_items(entries: list[dict], tokenizer, whitespace: str = "compact") -> list[dict]:
+    """Entries -> {name, prompt (token ids), constraint, fixed_keys}; a malformed schema raises here."""
+    from decodelab.distortion import chat_prompt
+
+    return [{"name": e["name"], "prompt": chat_prompt(tokenizer, e["prompt"]), "fixed_keys": e["fixed_keys"],
+             "constraint": Constraint.json(e["schema"], name=e["name"], whitespace=whitespace)} for e in entries]
+
+
+def extract_json(text: str):
+    """The first JSON value starting at a '{' in free text (models wrap JSON in prose or fences), or None."""
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start != -1:
+        try:
+            return decoder.raw_decode(text, start)[0]
+        except json.JSONDecodeError:
+            start = text.find("{", start + 1)
+    return None
+
+
+def sample_schema(model, tokenizer, item: dict, engine: MaskEngine | None, *, n_samples: int, sampler,
+                  seed: int, max_new_tokens: int = 96, batch_size: int = 16) -> dict:
+    """n samples for one schema, masked by `engine` or unconstrained (engine None).
+
+    -> {objects: parsed outputs that validate, valid: count, n, unsupported: bool, texts}. An engine that
+    cannot compile the schema yields unsupported=True and no outputs (never unconstrained text).
+    """
+    import jsonschema
+
+    from decodelab.engine import generate as free_generate
+
+    generator = torch.Generator().manual_seed(seed)
+    out = {"objects": [], "valid": 0, "n": 0, "unsupported": False, "texts": []}
+    if engine is not None:
+        try:
+            engine.compile(item["constraint"])
+        except UnsupportedConstraint:
+            out["unsupported"] = True
+            return out
+    for start in range(0, n_samples, batch_size):
+        rows = min(batch_size, n_samples - start)
+        prompts = [item["prompt"]] * rows
+        if engine is None:
+            res = free_generate(model, prompts, max_new_tokens=max_new_tokens, sampler=sampler, generator=generator,
+                                eos_token_ids=list(getattr(model, "eos_token_ids", [tokenizer.eos_token_id])))
+            texts = [tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
+        else:
+            texts = generate(model, prompts, item["constraint"], engine, max_new_tokens=max_new_tokens,
+                             sampler=sampler, generator=generator, tokenizer=tokenizer).texts
+        for text in texts:
+            value = extract_json(text) if engine is None else _loads(text)
+            ok = value is not None
+            if ok:
+                try:
+                    jsonschema.validate(value, item["constraint"].spec)
+                except jsonschema.ValidationError:
+                    ok = False
+            out["n"] += 1
+            out["texts"].append(text)
+            if ok:
+                out["valid"] += 1
+                out["objects"].append(value)
+    return out
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def field_two_sample(schema: dict, masked: list[dict], free: list[dict], *, permutations: int = 500,
+                     seed: int = 0) -> list[dict]:
+    """Compare masked outputs with unconstrained outputs that happen to be valid, field by field.
+
+    Categorical fields (enum, boolean, integer) -> TV distance between the two empirical distributions and
+    a permutation-test p-value of that TV; string fields compare their lengths the same way.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for key, prop in schema.get("properties", {}).items():
+        kind = "category" if ("enum" in prop or prop.get("type") in ("boolean", "integer")) else (
+            "length" if prop.get("type") == "string" else None)
+        if kind is None:
+            continue
+        value = (lambda o: json.dumps(o.get(key))) if kind == "category" else (lambda o: len(o.get(key, "")))
+        a = [value(o) for o in masked if key in o]
+        b = [value(o) for o in free if key in o]
+        if not a or not b:
+            rows.append({"field": key, "kind": kind, "n_masked": len(a), "n_free_valid": len(b),
+                         "tv": float("nan"), "p_value": float("nan")})
+            continue
+        observed = _tv_samples(a, b)
+        pooled = a + b
+        hits = 0
+        for _ in range(permutations):
+            perm = rng.permutation(len(pooled))
+            hits += _tv_samples([pooled[i] for i in perm[: len(a)]], [pooled[i] for i in perm[len(a):]]) >= observed - 1e-12
+        rows.append({"field": key, "kind": kind, "n_masked": len(a), "n_free_valid": len(b), "tv": observed,
+                     "p_value": (hits + 1) / (permutations + 1)})
+    return rows
+
+
+def _tv_samples(a: list, b: list) -> float:
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    return 0.5 * sum(abs(ca[k] / len(a) - cb[k] / len(b)) for k in set(ca) | set(cb))
+
+
+def decode_step_seconds(model, prompt: list[int], batch_size: int, *, steps: int = 8) -> list[float]:
+    """Wall seconds of `steps` decode steps at `batch_size` rows of `prompt` (the reference for mask cost)."""
+    from decodelab.engine import decode_step, prefill, synchronize
+
+    tr = model.transformer if hasattr(model, "transformer") else model
+    cache, logits = prefill(tr, [prompt] * batch_size, max_new_tokens=steps + 1)
+    tokens = logits.argmax(-1)
+    out = []
+    for _ in range(steps):
+        synchronize(tr.device)
+        start = time.perf_counter()
+        tokens = decode_step(tr, cache, tokens).argmax(-1)
+        synchronize(tr.device)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def validity_study(model, tokenizer, items: list[dict], engines: dict[str, MaskEngine], *, n_samples: int, sampler,
+                   seed: int, max_new_tokens: int = 96) -> dict:
+    """Experiment 3: per schema, n samples masked by each engine and n unconstrained samples.
+
+    -> {validity: rows {schema, engine, n, valid, unsupported}, fields: two-sample rows (first engine vs
+    unconstrained-but-valid), samples: {(schema, engine): outputs}, unsupported: {engine: count}}.
+    The same seed drives every engine, so the comparisons are paired where the paths agree.
+    """
+    validity, fields, samples = [], [], {}
+    unsupported = {name: 0 for name in engines}
+    for item in items:
+        runs = {"unconstrained": sample_schema(model, tokenizer, item, None, n_samples=n_samples, sampler=sampler,
+                                               seed=seed, max_new_tokens=max_new_tokens)}
+        for name, engine in engines.items():
+            runs[name] = sample_schema(model, tokenizer, item, engine, n_samples=n_samples, sampler=sampler, seed=seed,
+                                       max_new_tokens=max_new_tokens)
+            unsupported[name] += runs[name]["unsupported"]
+        for name, out in runs.items():
+            validity.append({"schema": item["name"], "engine": name, "n": out["n"], "valid": out["valid"],
+                             "unsupported": out["unsupported"]})
+            samples[(item["name"], name)] = out
+        reference = next((n for n in engines if not runs[n]["unsupported"]), None)
+        if reference is not None:
+            for row in field_two_sample(item["constraint"].spec, runs[reference]["objects"],
+                                        runs["unconstrained"]["objects"], seed=seed):
+                fields.append({"schema": item["name"], "engine": reference, **row})
+    return {"validity": validity, "fields": fields, "samples": samples, "unsupported": unsupported}
+
+
+def validity_rates(rows: list[dict]) -> dict[str, float]:
+    """{engine: valid / n over all schemas it supports} (unconstrained under the key 'unconstrained')."""
+    totals: dict[str, list[int]] = {}
+    for r in rows:
+        if not r["unsupported"]:
+            t = totals.setdefault(r["engine"], [0, 0])
+            t[0] += r["valid"]
+            t[1] += r["n"]
+    return {name: (v / n if n else float("nan")) for name, (v, n) in totals.items()}
+
+
+def mask_cost_study(engines: dict[str, MaskEngine], items: list[dict], outputs: dict[str, str], tokenizer, *,
+                    naive_steps: int = 3) -> list[dict]:
+    """Experiment 4: replay each schema's recorded output through every engine, timing each mask fill.
+
+    outputs: schema name -> one valid output text. Two trajectories per schema: that output tokenized
+    (compact) and the same object re-serialized with indent=2 (whitespace-heavy; the constraint is
+    recompiled with flexible whitespace), each ending in EOS. -> rows {engine, schema, trajectory, step, us}.
+    """
+    rows = []
+    eos = next(iter(engines.values())).stop_token_ids[0]
+    for item in items:
+        text = outputs.get(item["name"])
+        value = _loads(text) if text else None
+        if value is None:
+            continue
+        tokens = tokenizer(text, add_special_tokens=False).input_ids + [eos]
+        indented = tokenizer(json.dumps(value, indent=2), add_special_tokens=False).input_ids + [eos]
+        flexible = Constraint.json(item["constraint"].spec, name=item["name"], whitespace="flexible")
+        for trajectory, constraint, seq in (("compact", item["constraint"], tokens), ("indented", flexible, indented)):
+            for name, engine in engines.items():
+                try:
+                    compiled = engine.compile(constraint)
+                except UnsupportedConstraint:
+                    continue
+                times = replay_mask_times(engine, compiled, seq, max_steps=naive_steps if name == "naive" else None)
+                rows += [{"engine": name, "schema": item["name"], "trajectory": trajectory, "step": i, "us": t * 1e6}
+                         for i, t in enumerate(times)]
+    return rows
+
+
+def mask_apply_seconds(vocab_size: int, batch_size: int, *, device="cpu", repeats: int = 20) -> float:
+    """Median wall seconds of applying a (B, W) bitmask to (B, V) float32 logits on `device`."""
+    import statistics
+
+    from decodelab.engine import synchronize
+
+    device = torch.device(device)
+    logits = torch.randn(batch_size, vocab_size, device=device)
+    bitmask = allocate_bitmask(batch_size, vocab_size)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        apply_bitmask(logits, bitmask)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
