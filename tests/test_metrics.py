@@ -1,0 +1,215 @@
+"""Properties of the diversity / quality metrics, the bootstrap and the Pareto frontier."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from decodelab import metrics
+
+
+def test_distinct_n_counts_unique_over_total_ngrams():
+    texts = [["a", "b", "a", "b"], ["a", "b"]]
+    # bigrams: ab, ba, ab | ab -> 2 unique of 4
+    assert metrics.distinct_n(texts, 2) == pytest.approx(2 / 4)
+    assert metrics.distinct_n(texts, 1) == pytest.approx(2 / 6)
+    assert metrics.distinct_n(["the cat sat", "a dog ran"], 1) == 1.0
+
+
+def test_distinct_n_is_zero_without_ngrams():
+    assert metrics.distinct_n([["a"]], 2) == 0.0
+
+
+def test_bleu_of_identical_sentence_is_one():
+    s = "the quick brown fox jumps over the lazy dog".split()
+    assert metrics.bleu(s, [s]) == pytest.approx(1.0)
+
+
+def test_bleu_matches_hand_computed_value():
+    hyp = "a b c d e".split()
+    ref = "a b c x e".split()
+    # clipped precisions: 1-grams 4/5, 2-grams 2/4, 3-grams 1/3, 4-grams 0/2 -> epsilon 0.1/2; BP = 1
+    expected = math.exp((math.log(4 / 5) + math.log(2 / 4) + math.log(1 / 3) + math.log(0.1 / 2)) / 4)
+    assert metrics.bleu(hyp, [ref]) == pytest.approx(expected)
+
+
+def test_bleu_brevity_penalty_uses_closest_reference_length():
+    hyp = "a b c d".split()
+    refs = ["a b c d e f g h".split(), "a b c d e".split()]
+    # precisions all 1; closest reference length is 5 -> BP = exp(1 - 5/4)
+    assert metrics.bleu(hyp, refs) == pytest.approx(math.exp(1 - 5 / 4))
+
+
+def test_self_bleu_is_one_for_copies_and_lower_for_varied_texts():
+    same = ["the cat sat on the mat today"] * 3
+    varied = ["the cat sat on the mat today", "rain fell over the quiet harbour", "seven engineers wrote code"]
+    assert metrics.self_bleu(same) == pytest.approx(1.0)
+    assert metrics.self_bleu(varied) < 0.2
+
+
+def test_self_bleu_rejects_single_text():
+    with pytest.raises(ValueError, match="len\\(texts\\)=1"):
+        metrics.self_bleu(["only one"])
+
+
+def test_embedding_diversity_is_mean_pairwise_cosine_distance():
+    e = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    # pairs: (0,1) 1, (0,2) 2, (1,2) 1 -> 4/3
+    assert metrics.embedding_diversity(e) == pytest.approx(4 / 3)
+    assert metrics.embedding_diversity(torch.ones(4, 3)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_coherence_is_rowwise_cosine():
+    p = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    c = torch.tensor([[3.0, 0.0], [1.0, 1.0]])
+    assert torch.allclose(metrics.coherence(p, c), torch.tensor([1.0, 1 / math.sqrt(2)]))
+
+
+def test_bootstrap_ci_contains_mean_and_narrows_with_more_units():
+    rng = np.random.default_rng(0)
+    small, large = rng.normal(size=20), rng.normal(size=2000)
+    est, lo, hi = metrics.bootstrap_ci(small)
+    assert lo <= est <= hi and est == pytest.approx(small.mean())
+    _, lo2, hi2 = metrics.bootstrap_ci(large)
+    assert hi2 - lo2 < hi - lo
+
+
+def test_paired_bootstrap_cancels_shared_unit_effects():
+    rng = np.random.default_rng(1)
+    unit = rng.normal(scale=10, size=200)  # large per-unit difficulty shared by both arms
+    a, b = unit + 0.5, unit + rng.normal(scale=0.1, size=200)
+    result = metrics.paired_bootstrap_diff(a, b)
+    assert result["ci_low"] > 0.3 and result["ci_high"] < 0.7 and result["excludes_zero"]
+    same = metrics.paired_bootstrap_diff(unit, unit)
+    assert same["difference"] == 0 and not same["excludes_zero"]
+
+
+def test_paired_bootstrap_rejects_unpaired_shapes():
+    with pytest.raises(ValueError, match="a.shape"):
+        metrics.paired_bootstrap_diff([1, 2, 3], [1, 2])
+
+
+def test_pareto_frontier_keeps_exactly_the_non_dominated_points():
+    x = [0.1, 0.2, 0.3, 0.15, 0.3]
+    y = [0.9, 0.8, 0.5, 0.7, 0.4]
+    # (0.15, 0.7) is dominated by (0.2, 0.8); (0.3, 0.4) by (0.3, 0.5)
+    assert metrics.pareto_frontier(x, y) == [0, 1, 2]
+
+
+def test_interpolate_at_does_not_extrapolate():
+    assert metrics.interpolate_at([0, 1, 2], [0, 10, 20], 1.5) == pytest.approx(15)
+    assert math.isnan(metrics.interpolate_at([0, 1], [0, 1], 2.0))
+
+
+def test_kept_set_stats_measure_size_and_original_mass():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]])
+    processed = torch.tensor([[1.0, 1.0, -math.inf], [1.0, -math.inf, -math.inf]])
+    stats = metrics.kept_set_stats(probs, processed)
+    assert stats["size"].tolist() == [2, 1]
+    assert torch.allclose(stats["mass"], torch.tensor([0.8, 0.9]))
+    assert torch.allclose(stats["max_prob"], torch.tensor([0.5, 0.9]))
+
+
+def test_bucket_by_includes_right_edge_in_last_bucket():
+    assert metrics.bucket_by([0.0, 0.49, 0.5, 1.0], [0.0, 0.5, 1.0]).tolist() == [0, 0, 1, 1]
+
+
+def test_continuation_nll_is_independent_of_batch_padding(tiny):
+    model = tiny.hf_model
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    conts = [[20, 21], [22, 23, 24, 25], [26]]
+    batched = metrics.continuation_nll(model, prompts, conts, batch_size=3)
+    for i, (p, c) in enumerate(zip(prompts, conts)):
+        tokens = torch.tensor([p + c])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=tokens).logits[0].float(), -1)
+        expected = -torch.stack([logp[len(p) - 1 + t, c[t]] for t in range(len(c))]).mean()
+        assert batched[i] == pytest.approx(float(expected), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_embedder_gives_unit_vectors_and_ranks_paraphrase_closer():
+    embed = metrics.load_embedder()
+    e = embed(["A cat sits on the mat.", "A kitten is sitting on a rug.", "Stock markets fell sharply today."])
+    assert e.shape == (3, 384)
+    assert torch.allclose(e.norm(dim=-1), torch.ones(3), atol=1e-5)
+    sims = e @ e.T
+    assert sims[0, 1] > sims[0, 2] + 0.2
+
+
+def test_cross_fit_best_scores_each_fold_with_the_other_folds_choice():
+    # setting 0 is best on every unit except unit 0: the choice never depends on the unit it scores
+    matrix = np.array([[0.0, 1, 1, 1], [1.0, 0, 0, 0]])
+    values, chosen = metrics.cross_fit_best(matrix, seed=0)
+    assert chosen == [0, 0]
+    assert values.tolist() == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_matched_quality_diff_reads_both_frontiers_at_the_same_diversity():
+    import pandas as pd
+
+    rows = []
+    for unit in range(6):
+        # sampler a: quality = 1 - x; sampler b: quality = 0.8 - x (worse by 0.2 at every diversity)
+        for setting, (name, x, offset) in enumerate([("a", 0.2, 1.0), ("a", 0.6, 1.0), ("b", 0.1, 0.8), ("b", 0.7, 0.8)]):
+            rows.append(dict(setting=setting, sampler=name, unit=unit, x=x, q=offset - x))
+    d = metrics.matched_quality_diff(pd.DataFrame(rows), "a", "b", "x", "q", 0.4, n_boot=50)
+    assert d["difference"] == pytest.approx(0.2)
+    assert d["ci_low"] == pytest.approx(0.2) and d["ci_high"] == pytest.approx(0.2)
+
+
+def test_match_entropy_finds_min_p_with_equal_mean_entropy():
+    from decodelab.sampling import SamplerConfig
+
+    logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(0)) * 2
+    m = metrics.match_entropy(logits, SamplerConfig(top_p=0.9), lambda v: SamplerConfig(min_p=v), 1e-4, 0.999)
+    assert metrics.mean_sampling_entropy(logits, SamplerConfig(min_p=m)) == pytest.approx(
+        metrics.mean_sampling_entropy(logits, SamplerConfig(top_p=0.9)), abs=2e-2)
+
+
+def test_min_p_kept_set_widens_with_temperature_only_when_temperature_comes_first():
+    logits = torch.randn(32, 300, generator=torch.Generator().manual_seed(1)) * 3
+    table = metrics.kept_size_vs_temperature(logits, {"min_p": 0.1}, [0.5, 1.0, 2.0, 3.0])
+    hf = table[table.order == "hf"].size_mean.tolist()
+    first = table[table.order == "truncate_first"].size_mean.tolist()
+    assert hf == sorted(hf) and hf[-1] > hf[0]
+    assert first == [first[0]] * 4
+
+
+def test_kept_set_disagreement_is_zero_for_a_single_filter():
+    from decodelab.sampling import SamplerConfig
+
+    logits = torch.randn(16, 200, generator=torch.Generator().manual_seed(2))
+    assert metrics.kept_set_disagreement(logits, SamplerConfig(temperature=1.5, min_p=0.1))["fraction_rows_differ"] == 0
+
+
+def test_collect_step_logits_equal_teacher_forced_logits(tiny):
+    prompts, conts = [[5, 6, 7], [8, 9]], [[20, 21, 22], [23]]
+    got = metrics.collect_step_logits(tiny, prompts, conts, max_steps=100)
+    expected = []
+    for p, c in zip(prompts, conts):
+        with torch.no_grad():
+            full = tiny.hf_model(input_ids=torch.tensor([p + c])).logits[0]
+        expected.append(full[len(p) - 1 : len(p) - 1 + len(c)])
+    assert torch.allclose(got, torch.cat(expected).float(), atol=1e-4)
+
+
+def test_kept_sets_of_the_widget_follow_the_thresholds():
+    from decodelab import widgets
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    sets = widgets.kept_sets(logits, temperature=1.0, top_p=0.7, min_p=0.2)
+    assert sets["top_p"].tolist() == [True, True, False, False]  # 0.5 + 0.3 >= 0.7
+    assert sets["min_p"].tolist() == [True, True, True, False]  # p >= 0.2 * 0.5
+    assert torch.allclose(sets["probs"], torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+def test_static_explorer_draws_one_panel_per_setting():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from decodelab import widgets
+
+    dist = widgets.NextToken(context="", logits=torch.randn(50, generator=torch.Generator().manual_seed(0)))
+    fig = widgets.kept_set_explorer(dist, None, interactive=False, static_settings=[(1.0, 0.9, 0.1), (2.0, 0.9, 0.1)])
+    assert len(fig.axes) == 2
