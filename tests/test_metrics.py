@@ -101,19 +101,6 @@ def test_interpolate_at_does_not_extrapolate():
     assert math.isnan(metrics.interpolate_at([0, 1], [0, 1], 2.0))
 
 
-def test_kept_set_stats_measure_size_and_original_mass():
-    probs = torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]])
-    processed = torch.tensor([[1.0, 1.0, -math.inf], [1.0, -math.inf, -math.inf]])
-    stats = metrics.kept_set_stats(probs, processed)
-    assert stats["size"].tolist() == [2, 1]
-    assert torch.allclose(stats["mass"], torch.tensor([0.8, 0.9]))
-    assert torch.allclose(stats["max_prob"], torch.tensor([0.5, 0.9]))
-
-
-def test_bucket_by_includes_right_edge_in_last_bucket():
-    assert metrics.bucket_by([0.0, 0.49, 0.5, 1.0], [0.0, 0.5, 1.0]).tolist() == [0, 0, 1, 1]
-
-
 def test_continuation_nll_is_independent_of_batch_padding(tiny):
     model = tiny.hf_model
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
@@ -135,63 +122,6 @@ def test_embedder_gives_unit_vectors_and_ranks_paraphrase_closer():
     assert torch.allclose(e.norm(dim=-1), torch.ones(3), atol=1e-5)
     sims = e @ e.T
     assert sims[0, 1] > sims[0, 2] + 0.2
-
-
-def test_cross_fit_best_scores_each_fold_with_the_other_folds_choice():
-    # setting 0 is best on every unit except unit 0: the choice never depends on the unit it scores
-    matrix = np.array([[0.0, 1, 1, 1], [1.0, 0, 0, 0]])
-    values, chosen = metrics.cross_fit_best(matrix, seed=0)
-    assert chosen == [0, 0]
-    assert values.tolist() == [0.0, 1.0, 1.0, 1.0]
-
-
-def test_matched_quality_diff_reads_both_frontiers_at_the_same_diversity():
-    import pandas as pd
-
-    rows = []
-    for unit in range(6):
-        # sampler a: quality = 1 - x; sampler b: quality = 0.8 - x (worse by 0.2 at every diversity)
-        for setting, (name, x, offset) in enumerate([("a", 0.2, 1.0), ("a", 0.6, 1.0), ("b", 0.1, 0.8), ("b", 0.7, 0.8)]):
-            rows.append(dict(setting=setting, sampler=name, unit=unit, x=x, q=offset - x))
-    d = metrics.matched_quality_diff(pd.DataFrame(rows), "a", "b", "x", "q", 0.4, n_boot=50)
-    assert d["difference"] == pytest.approx(0.2)
-    assert d["ci_low"] == pytest.approx(0.2) and d["ci_high"] == pytest.approx(0.2)
-
-
-def test_match_entropy_finds_min_p_with_equal_mean_entropy():
-    from decodelab.sampling import SamplerConfig
-
-    logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(0)) * 2
-    m = metrics.match_entropy(logits, SamplerConfig(top_p=0.9), lambda v: SamplerConfig(min_p=v), 1e-4, 0.999)
-    assert metrics.mean_sampling_entropy(logits, SamplerConfig(min_p=m)) == pytest.approx(
-        metrics.mean_sampling_entropy(logits, SamplerConfig(top_p=0.9)), abs=2e-2)
-
-
-def test_min_p_kept_set_widens_with_temperature_only_when_temperature_comes_first():
-    logits = torch.randn(32, 300, generator=torch.Generator().manual_seed(1)) * 3
-    table = metrics.kept_size_vs_temperature(logits, {"min_p": 0.1}, [0.5, 1.0, 2.0, 3.0])
-    hf = table[table.order == "hf"].size_mean.tolist()
-    first = table[table.order == "truncate_first"].size_mean.tolist()
-    assert hf == sorted(hf) and hf[-1] > hf[0]
-    assert first == [first[0]] * 4
-
-
-def test_kept_set_disagreement_is_zero_for_a_single_filter():
-    from decodelab.sampling import SamplerConfig
-
-    logits = torch.randn(16, 200, generator=torch.Generator().manual_seed(2))
-    assert metrics.kept_set_disagreement(logits, SamplerConfig(temperature=1.5, min_p=0.1))["fraction_rows_differ"] == 0
-
-
-def test_collect_step_logits_equal_teacher_forced_logits(tiny):
-    prompts, conts = [[5, 6, 7], [8, 9]], [[20, 21, 22], [23]]
-    got = metrics.collect_step_logits(tiny, prompts, conts, max_steps=100)
-    expected = []
-    for p, c in zip(prompts, conts):
-        with torch.no_grad():
-            full = tiny.hf_model(input_ids=torch.tensor([p + c])).logits[0]
-        expected.append(full[len(p) - 1 : len(p) - 1 + len(c)])
-    assert torch.allclose(got, torch.cat(expected).float(), atol=1e-4)
 
 
 def test_kept_sets_of_the_widget_follow_the_thresholds():

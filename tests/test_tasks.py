@@ -130,68 +130,9 @@ def test_writing_prompts_file_is_well_formed():
     assert all(10 < len(p) < 300 for p in prompts)
 
 
-# --- the grid runner ---------------------------------------------------------------------------------
+def test_row_seed_is_still_importable_from_tasks():
+    """consistency.py imports row_seed from tasks: the name moved to sampling_study, tasks re-exports it."""
+    from decodelab import sampling_study
+    from decodelab.tasks import row_seed
 
-
-def test_sampler_grid_enforces_equal_tuning_budget():
-    with pytest.raises(ValueError, match="same number of settings"):
-        tasks.sampler_grid({"top_p": [0.9, 0.95], "min_p": [0.1]}, [1.0])
-    with pytest.raises(ValueError, match="unknown names"):
-        tasks.sampler_grid({"nucleus": [0.9]}, [1.0])
-    grid = tasks.sampler_grid({"top_p": [0.9, 0.95], "min_p": [0.05, 0.1]}, [1.0, 2.0])
-    assert sum(s.sampler == "top_p" for s in grid) == sum(s.sampler == "min_p" for s in grid) == 4
-    assert [s.sampler for s in grid].count("greedy") == 1 and [s.sampler for s in grid].count("temperature") == 2
-    assert len(set(grid)) == len(grid)
-
-
-def test_setting_configs_set_one_knob_and_temperature():
-    s = tasks.Setting("min_p", 0.1, 1.5)
-    assert (s.config.min_p, s.config.temperature, s.config.top_p) == (0.1, 1.5, 1.0)
-    assert tasks.Setting("top_k", 20.0, 1.0).config.top_k == 20
-    assert tasks.Setting("greedy", None, 0.0).config.is_greedy
-
-
-def test_run_grid_pairs_generator_streams_across_settings(tiny):
-    """top_k = V keeps every token, so it samples exactly what plain temperature sampling does: with the
-    same per-(unit, sample) generator streams the tokens must be identical row for row."""
-    prompts = [[5, 6, 7], [8, 9, 10, 11]]
-    settings = [tasks.Setting("temperature", None, 1.0), tasks.Setting("top_k", 256.0, 1.0),
-                tasks.Setting("min_p", 0.3, 1.0)]
-    frame, _ = tasks.run_grid(tiny, prompts, settings, n_samples=3, max_new_tokens=6, batch_size=5, progress=False)
-    plain = frame[frame.sampler == "temperature"].tokens.tolist()
-    assert plain == frame[frame.sampler == "top_k"].tokens.tolist()
-    assert len({tuple(t) for t in plain}) > 1  # and the samples do differ from each other
-
-
-def test_run_grid_matches_engine_generate_row_for_row(tiny):
-    from decodelab.engine import generate
-    from decodelab.sampling import Sampler
-    import torch
-
-    prompts = [[5, 6, 7], [8, 9]]
-    settings = [tasks.Setting("top_p", 0.8, 1.3), tasks.Setting("greedy", None, 0.0)]
-    frame, _ = tasks.run_grid(tiny, prompts, settings, n_samples=2, max_new_tokens=5, seed=3, progress=False)
-    for row in frame.itertuples():
-        gen = torch.Generator().manual_seed(tasks.row_seed(3, row.unit, row.sample))
-        ref = generate(tiny, [prompts[row.unit]], max_new_tokens=5, sampler=Sampler([settings[row.setting].config]),
-                       generator=[gen])
-        assert row.tokens == ref.tokens[0]
-    assert (frame.sampler == "greedy").sum() == 2  # one sample per unit: more would be copies
-
-
-def test_order_grid_pairs_each_setting_in_both_orders():
-    grid = tasks.order_grid({"top_p": 0.9, "min_p": 0.1}, [1.5, 3.0])
-    assert len(grid) == 8
-    assert {s.order_name for s in grid} == {"hf", "truncate_first"}
-    assert tasks.Setting("min_p", 0.1, 2.0, tasks.TRUNCATE_FIRST).label == "min_p=0.1,T=2,truncate_first"
-
-
-@pytest.mark.slow
-def test_embedded_model_ends_with_the_answer_format(smol):
-    """The one-shot prompt keeps SmolLM2-135M-Instruct on "The answer is N." (greedy, easy problems)."""
-    problems = tasks.make_arithmetic(4, seed=0, difficulty=1)
-    prompts = [tasks.arithmetic_prompt(p, smol.tokenizer) for p in problems]
-    frame, _ = tasks.run_grid(smol, prompts, [tasks.Setting("greedy", None, 0.0)], max_new_tokens=40, progress=False)
-    frame = tasks.score_arithmetic(frame, problems, smol.tokenizer)
-    assert sum("The answer is" in t for t in frame.text) >= 3, list(frame.text)
-    assert frame.pred.notna().all()
+    assert row_seed is sampling_study.row_seed

@@ -9,13 +9,10 @@ with every intermediate count kept >= 2 so the story stays sensible.
 The model is asked to reason step by step and to end with "The answer is N." (`ANSWER_FORMAT`);
 `extract_answer` reads N back, falling back to looser forms and finally to the last number.
 
-`run_grid` runs a task under a grid of sampler settings (`sampler_grid`): every (setting, prompt,
-sample) is a row of shared batches with per-row sampler configs and a per-(prompt, sample) generator
-stream that is the same under every setting, so comparisons between samplers are paired.
+The grid runner that samples these tasks under many sampler settings lives in `sampling_study`.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -247,163 +244,14 @@ def writing_prompt(prompt: str, tokenizer) -> list[int]:
     return chat_prompt_ids(tokenizer, writing_messages(prompt))
 
 
-# --- running a task under a grid of sampler settings ---------------------------------------------
-
-# Sampler names (the suite's plot names) -> the SamplerConfig field their grid values set.
-SAMPLER_FIELDS = {
-    "top_p": "top_p", "min_p": "min_p", "top_k": "top_k", "typical": "typical_p", "eta": "eta", "epsilon": "epsilon",
-}
-BASELINES = ("temperature", "greedy")  # plain softmax sampling at T; argmax (T = 0)
+# Moved to `sampling_study`, still importable from here for modules that import them from `tasks`
+# (consistency.py). Resolved lazily: `sampling_study` imports this module, and `tasks` stays light.
+_MOVED_TO_SAMPLING_STUDY = ("row_seed",)
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One cell of the grid: a sampler, its parameter value, a temperature, and the order of stages."""
+def __getattr__(name: str):
+    if name in _MOVED_TO_SAMPLING_STUDY:
+        from decodelab import sampling_study
 
-    sampler: str  # a SAMPLER_FIELDS key or a BASELINES name
-    param: float | None  # the sampler's own knob (None for the baselines)
-    temperature: float
-    order: str | tuple = "hf"  # Sampler order: "hf", "vllm", or stage names (e.g. truncate first)
-
-    @property
-    def config(self):
-        from decodelab.sampling import SamplerConfig
-
-        if self.sampler == "greedy":
-            return SamplerConfig(temperature=0.0)
-        if self.sampler == "temperature":
-            return SamplerConfig(temperature=self.temperature)
-        value = int(self.param) if self.sampler == "top_k" else self.param
-        return SamplerConfig(temperature=self.temperature, **{SAMPLER_FIELDS[self.sampler]: value})
-
-    @property
-    def order_name(self) -> str:
-        return self.order if isinstance(self.order, str) else "truncate_first"
-
-    @property
-    def label(self) -> str:
-        if self.sampler == "greedy":
-            return "greedy"
-        knob = "" if self.param is None else f"={self.param:g}"
-        suffix = "" if self.order == "hf" else f",{self.order_name}"
-        return f"{self.sampler}{knob},T={self.temperature:g}{suffix}"
-
-
-# Every filter on the T = 1 distribution, then temperature on what survives (one order for all samplers,
-# so truncate-first rows of different samplers can share a batch).
-TRUNCATE_FIRST = ("top_k", "top_p", "min_p", "typical_p", "epsilon", "eta", "temperature")
-
-
-def truncate_first_order(sampler: str | None = None) -> tuple[str, ...]:
-    """Stage order that truncates on the T = 1 distribution, then applies temperature to the kept set."""
-    return TRUNCATE_FIRST
-
-
-def sampler_grid(
-    samplers: dict[str, list], temperatures: list[float], *, baselines: bool = True, greedy: bool = True, order="hf"
-) -> list[Setting]:
-    """Every sampler x each of its values x each temperature, plus (baselines) plain temperature
-    sampling at each temperature and greedy once (unless greedy=False). Fairness by construction:
-    every sampler must list the same number of values (the same tuning budget)."""
-    unknown = set(samplers) - set(SAMPLER_FIELDS)
-    if unknown:
-        raise ValueError(f"samplers has unknown names {sorted(unknown)}; allowed: {sorted(SAMPLER_FIELDS)}")
-    sizes = {name: len(values) for name, values in samplers.items()}
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"samplers={sizes} (values per sampler): every sampler needs the same number of settings")
-    if any(t <= 0 for t in temperatures):
-        raise ValueError(f"temperatures={temperatures!r} must all be > 0 (greedy is added separately)")
-    grid = [Setting(name, float(v), float(t), order) for t in temperatures for name, values in samplers.items() for v in values]
-    if baselines:
-        grid += [Setting("temperature", None, float(t), order) for t in temperatures]
-        grid += [Setting("greedy", None, 0.0)] if greedy else []
-    return grid
-
-
-def order_grid(settings: dict[str, float], temperatures: list[float]) -> list[Setting]:
-    """Each {sampler: value} at each temperature twice: temperature first (Hugging Face and vLLM) and
-    truncation first (the kept set chosen on the T = 1 distribution, then temperature applied to it)."""
-    return [Setting(name, float(value), float(t), order)
-            for name, value in settings.items() for t in temperatures
-            for order in ("hf", truncate_first_order(name))]
-
-
-def row_seed(seed: int, unit: int, sample: int) -> int:
-    """The generator seed of (unit, sample): shared by every setting, so draws are paired across samplers.
-    A hash, so streams of different (seed, unit, sample) never coincide in practice."""
-    digest = hashlib.sha256(f"decodelab-row-{seed}-{unit}-{sample}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1  # torch seeds are < 2**64; keep it positive
-
-
-def run_grid(
-    model, prompts: list[list[int]], settings: list[Setting], *, n_samples: int = 1, max_new_tokens: int = 128,
-    seed: int = 0, batch_size: int = 64, progress: bool = True,
-):
-    """Generate for every (setting, prompt, sample) as rows of shared batches (per-row sampler configs).
-
-    Row (setting s, unit u, sample j) draws its uniforms from a generator seeded with row_seed(seed, u, j),
-    the same for every setting: differences between settings are not seed noise. Greedy settings run
-    one sample per unit (more would be copies). Rows are batched unit by unit, so a batch holds the
-    rows of one or a few prompts and each prompt is prefilled once (`shared_prefix.generate_shared`).
-    Returns (DataFrame, one row per generation: setting, sampler, param, temperature, order, label,
-    unit, sample, tokens, n_tokens, finished, logprob (sum of log p_model(token), T = 1, over the
-    tokens); list of DecodeStats).
-    """
-    import pandas as pd
-    import torch
-
-    from decodelab.sampling import Sampler
-    from decodelab.shared_prefix import generate_shared
-
-    rows = [
-        (s, u, j)
-        for s, setting in enumerate(settings)
-        for u in range(len(prompts))
-        for j in range(1 if setting.sampler == "greedy" else n_samples)
-    ]
-    # one stage order per batch (a Sampler has one); greedy rows apart (an all-greedy batch takes the
-    # argmax fast path, and sampled batches skip the greedy masking); the rows of a unit stay together
-    rows.sort(key=lambda r: (settings[r[0]].order_name, settings[r[0]].sampler == "greedy", r[1], r[0], r[2]))
-    batches = [chunk[i : i + batch_size] for chunk in _split_by_order(rows, settings)
-               for i in range(0, len(chunk), batch_size)]
-    if progress:
-        from tqdm.auto import tqdm
-
-        batches = tqdm(batches, desc=f"{len(rows)} generations")
-    records, stats = [], []
-    for batch in batches:
-        units = list(dict.fromkeys(u for _, u, _ in batch))
-        counts = [sum(1 for _, u, _ in batch if u == unit) for unit in units]
-        sampler = Sampler([settings[s].config for s, _, _ in batch], order=settings[batch[0][0]].order)
-        gens = [torch.Generator(device=model.device).manual_seed(row_seed(seed, u, j)) for _, u, j in batch]
-        result = generate_shared(model, [prompts[u] for u in units], counts, max_new_tokens=max_new_tokens,
-                                 sampler=sampler, generator=gens)
-        stats.append(result.stats)
-        for (s, u, j), tokens, finished, logprob in zip(batch, result.tokens, result.finished, result.logprobs):
-            st = settings[s]
-            records.append(dict(setting=s, sampler=st.sampler, param=st.param, temperature=st.temperature,
-                                order=st.order_name, label=st.label, unit=u, sample=j, tokens=tokens,
-                                n_tokens=len(tokens), finished=finished, logprob=logprob))
-    return pd.DataFrame.from_records(records).sort_values(["setting", "unit", "sample"], ignore_index=True), stats
-
-
-def _split_by_order(rows, settings):
-    """Rows (already sorted) -> runs of rows sharing the stage order and greediness."""
-    chunks: dict = {}
-    for r in rows:
-        chunks.setdefault((settings[r[0]].order_name, settings[r[0]].sampler == "greedy"), []).append(r)
-    return list(chunks.values())
-
-
-def decode_texts(tokenizer, token_lists: list[list[int]]) -> list[str]:
-    return [tokenizer.decode(t, skip_special_tokens=True) for t in token_lists]
-
-
-def score_arithmetic(frame, problems: list[ArithmeticProblem], tokenizer):
-    """Add text, pred (extracted integer or None), answer and correct (0/1) columns to run_grid's frame."""
-    frame = frame.copy()
-    frame["text"] = decode_texts(tokenizer, list(frame["tokens"]))
-    frame["pred"] = [extract_answer(t) for t in frame["text"]]
-    frame["answer"] = [problems[u].answer for u in frame["unit"]]
-    frame["correct"] = [int(p is not None and p == a) for p, a in zip(frame["pred"], frame["answer"])]
-    return frame
+        return getattr(sampling_study, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
