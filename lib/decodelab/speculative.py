@@ -1,0 +1,649 @@
+"""Speculative decoding: verification maths and the batched draft -> verify -> roll back loop.
+
+One step for B rows, each with a pending token x (chosen by the target, not yet in its KV cache):
+
+    drafts d_1..d_k       <- drafter.propose(ctx, k)                 (B, k)
+    logits                <- verify_step(target, cache, [x, d_1..d_k]) (B, k+1, V): logits[:, i]
+                             is the target's distribution p_{i+1} for the token after d_i (d_0 = x)
+    n_b accepted, next_b  <- greedy_verify / rejection_verify
+    row b emits d_1..d_{n_b}, next_b; its cache is cropped to old + 1 + n_b (ragged advance)
+
+Greedy: accept while d_i == argmax p_i; next = argmax p_{n+1} (the correction, or the bonus token
+when all k drafts were accepted). Output equals plain greedy decoding token for token.
+
+Sampling (Leviathan et al. 2023, Chen et al. 2023): accept d_i with probability min(1, p_i(d_i) / q_i(d_i));
+at the first rejection sample next from norm(max(p_i - q_i, 0)); when all k are accepted sample the
+bonus from p_{k+1}. Every emitted token is then distributed exactly as the target's (processed) p.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decodelab.drafters import DraftContext, Drafter
+from decodelab.engine import as_transformer, decode_step, pad_prompts, synchronize, verify_step
+
+K_CHOICES = (0, 1, 2, 4, 8)  # draft lengths the adaptive policy chooses from (0 = a plain decode step)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities, (B,) uniforms in [0, 1) -> (B,) long: smallest i with cdf_i > u * total."""
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def _valid_mask(drafts: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """(B, k) bool: draft i of row b is real (i < lengths[b])."""
+    B, k = drafts.shape
+    if lengths is None:
+        return torch.ones(B, k, dtype=torch.bool, device=drafts.device)
+    return torch.arange(k, device=drafts.device) < lengths.to(drafts.device).unsqueeze(1)
+
+
+def _first_rejection(accept: torch.Tensor) -> torch.Tensor:
+    """(B, k) bool accept flags -> (B,) long number of leading accepted drafts."""
+    return accept.long().cumprod(dim=1).sum(dim=1)
+
+
+def greedy_verify(
+    drafts: torch.Tensor, target_logits: torch.Tensor, lengths: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance. drafts (B, k), target_logits (B, k+1, V) -> (n_accepted (B,), next (B,)).
+
+    d_i is accepted while it equals argmax p_i; next = argmax p_{n+1}: the target's own choice at the
+    first mismatch (the correction) or after the last draft (the bonus token).
+    """
+    choice = target_logits.argmax(dim=-1)  # (B, k+1)
+    k = drafts.shape[1]
+    accept = (choice[:, :k] == drafts) & _valid_mask(drafts, lengths)
+    n = _first_rejection(accept)
+    return n, choice.gather(1, n.unsqueeze(1)).squeeze(1)
+
+
+def acceptance_probability(p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
+    """min(1, p(d) / q(d)) elementwise; q(d) > 0 whenever d was drawn from q."""
+    return torch.where(q_draft > 0, (p_draft / q_draft.clamp_min(1e-30)).clamp(max=1.0), torch.zeros_like(p_draft))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)) over the last axis; falls back to p where p <= q everywhere (then the
+    draft is accepted with probability 1, so the fallback is never sampled in exact arithmetic)."""
+    r = (p - q).clamp_min(0.0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 1e-12, r / total.clamp_min(1e-30), p)
+
+
+def rejection_verify(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    *,
+    lengths: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative sampling for a batch.
+
+    drafts (B, k) long; draft_probs (B, k, V) q_i, or None for deterministic drafts (q_i one-hot at d_i);
+    target_probs (B, k+1, V) p_i (already processed by the sampler: temperature, top-p, ...);
+    lengths (B,) real drafts per row (positions past it act as q = 0, i.e. always rejected);
+    uniforms (B, k+1) in [0, 1) (drawn from `generator` when None): u_i decides draft i, u_k the
+    resample. -> (n_accepted (B,) in [0, k], next (B,) long).
+    """
+    B, k = drafts.shape
+    V = target_probs.shape[-1]
+    device = target_probs.device
+    drafts = drafts.to(device)
+    if uniforms is None:
+        gen_device = generator.device if generator is not None else device
+        uniforms = torch.rand(B, k + 1, generator=generator, device=gen_device, dtype=target_probs.dtype).to(device)
+    valid = _valid_mask(drafts, lengths)
+    if draft_probs is None:
+        q = torch.nn.functional.one_hot(drafts, V).to(target_probs.dtype)
+    else:
+        q = draft_probs.to(device=device, dtype=target_probs.dtype)
+    q = q * valid.unsqueeze(-1)  # padding drafts: q = 0, so p(d)/q(d) -> never accepted, residual = p
+    p_d = target_probs[:, :k].gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # (B, k)
+    q_d = q.gather(2, drafts.unsqueeze(-1)).squeeze(-1)
+    # accept d_i  <=>  u_i < min(1, p_i(d_i) / q_i(d_i))
+    accept = (uniforms[:, :k] < acceptance_probability(p_d, q_d)) & valid
+    n = _first_rejection(accept)
+    # Row b samples from norm(max(p_n - q_n, 0)) at its first rejection n < k, or from p_{k+1} (q := 0)
+    # when every draft was accepted: pad q with a zero row at index k so both cases are one gather.
+    q_pad = torch.cat([q, torch.zeros(B, 1, V, dtype=q.dtype, device=device)], dim=1)
+    rows = torch.arange(B, device=device)
+    residual = residual_distribution(target_probs[rows, n], q_pad[rows, n])
+    return n, _inverse_cdf(residual, uniforms[:, k])
+
+
+# ----------------------------------------------------------------------------------------------
+# the batched loop
+
+
+@dataclass
+class Prefilled:
+    """A target prefill that several runs can share: `generate` crops the cache back to the prompts.
+
+    cache: KVCache sized for the longest prompt + max_new_tokens + max k + 1; last_logits (B, V);
+    last_hidden (B, D) (final-normed state at each prompt's last token); prompt_lengths (B,)."""
+
+    prompts: list[list[int]]
+    cache: object
+    last_logits: torch.Tensor
+    last_hidden: torch.Tensor
+    prompt_hidden: torch.Tensor  # (B, T, D) final-normed states of every prompt position (right-padded)
+    prompt_lengths: torch.Tensor
+    prefill_s: float
+    max_new_tokens: int
+    max_k: int
+
+
+@torch.inference_mode()
+def prefill(model, prompts: list[list[int]], *, max_new_tokens: int, max_k: int = max(K_CHOICES)) -> Prefilled:
+    """Prefill ragged prompts once: -> Prefilled (cache room for max_new_tokens + max_k + 1 more)."""
+    tr = as_transformer(model)
+    tokens, lengths = pad_prompts(prompts, tr.device)
+    synchronize(tr.device)
+    start = time.perf_counter()
+    cache = tr.new_cache(len(prompts), tokens.shape[1] + max_new_tokens + max_k + 1)
+    _, hidden = tr.forward(tokens, cache, n_new=lengths, logits_at="none", return_hidden=True)
+    last_hidden = hidden[torch.arange(len(prompts), device=tr.device), lengths - 1]
+    last_logits = tr.lm_head(last_hidden)
+    synchronize(tr.device)
+    return Prefilled(prompts=[list(p) for p in prompts], cache=cache, last_logits=last_logits,
+                     last_hidden=last_hidden, prompt_hidden=hidden, prompt_lengths=lengths.clone(), prefill_s=time.perf_counter() - start,
+                     max_new_tokens=max_new_tokens, max_k=max_k)
+
+
+@dataclass
+class SpecStats:
+    """What one speculative generation measured. Per step: k, draft seconds, verify seconds, wall seconds."""
+
+    batch_size: int
+    prompt_tokens: int
+    drafter: str
+    prefill_s: float = 0.0
+    step_k: list[int] = field(default_factory=list)
+    draft_s: list[float] = field(default_factory=list)
+    verify_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    new_tokens: int = 0
+    row_steps: int = 0  # (active row, step) pairs
+    emitted: int = 0  # tokens those row-steps produced before truncation: sum of n_accepted + 1
+    reached: list[int] = field(default_factory=lambda: [0] * max(K_CHOICES))  # drafts at position i judged
+    accepted: list[int] = field(default_factory=lambda: [0] * max(K_CHOICES))  # ... and accepted
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per active row per target forward, bonus included (plain decoding = 1.0)."""
+        return self.emitted / self.row_steps if self.row_steps else float("nan")
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(draft i accepted | drafts before it accepted), i = 1.. (nan where never reached)."""
+        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+    @property
+    def decode_s(self) -> float:
+        return sum(self.step_s)
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens after the first (which every method gets from the prefill) per decode second."""
+        return (self.new_tokens - self.batch_size) / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
+
+    def as_dict(self) -> dict:
+        steps = len(self.step_s)
+        return {
+            "drafter": self.drafter, "batch_size": self.batch_size, "prompt_tokens": self.prompt_tokens,
+            "prefill_s": self.prefill_s, "decode_s": self.decode_s, "draft_s": sum(self.draft_s),
+            "verify_s": sum(self.verify_s), "steps": steps, "new_tokens": self.new_tokens, "tau": self.tau,
+            "mean_k": sum(self.step_k) / steps if steps else float("nan"),
+            "tokens_per_s": self.tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
+        }
+
+
+@dataclass
+class SpecResult:
+    tokens: list[list[int]]  # new tokens per row, EOS included when hit, nothing after it
+    stats: SpecStats
+    finished: list[bool]
+
+
+def _trim(proposal, active: torch.Tensor):
+    """Drop draft positions that no active row fills (DraftProposal.lengths): a step where no row has a
+    real draft becomes a plain decode step instead of verifying padding. -> a DraftProposal, maybe k = 0."""
+    if proposal.lengths is None:
+        return proposal
+    lengths = proposal.lengths.to(active.device)[active]
+    width = int(lengths.max()) if lengths.numel() else 0
+    if width >= proposal.k:
+        return proposal
+    probs = None if proposal.probs is None else proposal.probs[:, :width]
+    return type(proposal)(tokens=proposal.tokens[:, :width], probs=probs,
+                          lengths=proposal.lengths.clamp(max=width))
+
+
+def _pack_hidden(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(hidden (B, T_i, D), lengths (B,))] -> left-aligned (B, sum of lengths max, D) and total lengths (B,)."""
+    B, D = chunks[0][0].shape[0], chunks[0][0].shape[2]
+    device = chunks[0][0].device
+    total = sum(lengths for _, lengths in chunks)
+    out = torch.zeros(B, max(int(total.max()), 1), D, dtype=chunks[0][0].dtype, device=device)
+    offset = torch.zeros(B, dtype=torch.long, device=device)
+    rows = torch.arange(B, device=device)[:, None]
+    for hidden, lengths in chunks:
+        idx = torch.arange(hidden.shape[1], device=device)[None].expand(B, -1)
+        valid = idx < lengths[:, None]
+        out[rows.expand_as(idx)[valid], (offset[:, None] + idx)[valid]] = hidden[valid]
+        offset = offset + lengths
+    return out, total
+
+
+def _check_k(k) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k={k!r} must be an int >= 0 (0 = plain decoding) or an AdaptivePolicy")
+
+
+def verify(logits: torch.Tensor, proposal, sampler, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits (B, k+1, V) + DraftProposal -> (n_accepted (B,), next (B,)): greedy without a
+    sampler (or when every row is temperature 0), else exact rejection sampling on sampler.probs."""
+    if sampler is None or sampler.is_greedy:
+        return greedy_verify(proposal.tokens.to(logits.device), logits, proposal.lengths)
+    p = torch.stack([sampler.probs(logits[:, i]) for i in range(logits.shape[1])], dim=1)
+    return rejection_verify(proposal.tokens, proposal.probs, p, lengths=proposal.lengths, generator=generator)
+
+
+@torch.inference_mode()
+def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | None = None, *, k=4,
+             max_new_tokens: int = 64, sampler=None, generator: torch.Generator | None = None,
+             eos_token_ids: list[int] | None = None, prefilled: Prefilled | None = None,
+             progress: bool = False) -> SpecResult:
+    """Batched speculative decoding: draft k tokens per row, verify them in one target step, keep the
+    accepted prefix (+ correction or bonus token) per row, crop the rest of the KV cache.
+
+    model: LoadedModel or Transformer (the target). drafter: any `Drafter` (None -> plain decoding).
+    k: int >= 0 drafts per step (0 = plain decode steps), or an `AdaptivePolicy` choosing k per step.
+    sampler: None (greedy) or a `decodelab.sampling.Sampler`; generator: torch.Generator for sampling.
+    prefilled: a `Prefilled` of the same prompts to reuse (its cache is cropped back to the prompts).
+    Greedy output equals plain greedy decoding token for token; sampled output has the target's law.
+    """
+    policy = k if hasattr(k, "choose_k") else None
+    if policy is None:
+        _check_k(k)
+    if k != 0 and drafter is None and policy is None:
+        raise ValueError(f"k={k!r} needs a drafter (got drafter=None); use k=0 for plain decoding")
+    if drafter is not None and not isinstance(drafter, Drafter):
+        raise ValueError(f"drafter={drafter!r} does not implement decodelab.drafters.Drafter "
+                         "(name, needs_hidden, begin, propose, rollback)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    tr = as_transformer(model)
+    if eos_token_ids is None:
+        eos_token_ids = getattr(model, "eos_token_ids", None) or []
+    eos = set(eos_token_ids)
+    k_max = max(policy.ks) if policy is not None else k
+    if prefilled is None:
+        if prompts is None:
+            raise ValueError("give prompts or prefilled")
+        prefilled = prefill(tr, prompts, max_new_tokens=max_new_tokens, max_k=k_max)
+    elif prefilled.max_new_tokens < max_new_tokens or prefilled.max_k < k_max:
+        raise ValueError(f"prefilled has room for max_new_tokens={prefilled.max_new_tokens}, max_k={prefilled.max_k}; "
+                         f"this run needs {max_new_tokens} and {k_max}")
+    prompts = prefilled.prompts
+    B = len(prompts)
+    cache = prefilled.cache
+    cache.crop(prefilled.prompt_lengths.clone())
+    device = tr.device
+    stats = SpecStats(batch_size=B, prompt_tokens=sum(map(len, prompts)), drafter=getattr(drafter, "name", "plain"),
+                      prefill_s=prefilled.prefill_s)
+
+    from decodelab.engine import pick_tokens
+
+    pending = pick_tokens(prefilled.last_logits, sampler, generator)  # (B,)
+    last_hidden = prefilled.last_hidden
+    unseen_hidden = [(prefilled.prompt_hidden, prefilled.prompt_lengths)]  # for needs_hidden drafters
+    seqs = [list(p) + [t] for p, t in zip(prompts, pending.tolist())]
+    generated = [[t] for t in pending.tolist()]
+    done = [t in eos or max_new_tokens <= 1 for t in pending.tolist()]
+    if drafter is not None:
+        drafter.begin(prompts, max_len=cache.max_len)
+    if policy is not None:
+        policy.begin(B)
+    needs_hidden = bool(getattr(drafter, "needs_hidden", False))
+    draft_sampler = None if sampler is None or sampler.is_greedy else sampler
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=max_new_tokens, desc=f"{stats.drafter} B={B}", leave=False)
+    rows = torch.arange(B, device=device)
+    while not all(done):
+        active_list = [not d for d in done]
+        active = torch.tensor(active_list, device=device)
+        n_active = sum(active_list)
+        step_k = policy.choose_k(n_active, context=cache.lengths.float().mean().item()) if policy is not None else k
+        if step_k > len(stats.reached):  # deeper drafts than K_CHOICES: grow the per-position counters
+            grow = step_k - len(stats.reached)
+            stats.reached += [0] * grow
+            stats.accepted += [0] * grow
+        synchronize(device)
+        start = time.perf_counter()
+        old = cache.lengths.clone()
+        proposal = None
+        if step_k > 0 and drafter is not None:
+            ctx = DraftContext(tokens=seqs, last_hidden=last_hidden if needs_hidden else None,
+                               active=active, sampler=draft_sampler, generator=generator)
+            if needs_hidden:
+                ctx.new_hidden, ctx.new_hidden_lengths = _pack_hidden(unseen_hidden)
+                unseen_hidden = []
+            proposal = _trim(drafter.propose(ctx, step_k), active)
+            step_k = proposal.k  # rows without real drafts everywhere: verify fewer (or zero) positions
+        synchronize(device)
+        t_draft = time.perf_counter()
+        if step_k == 0 or proposal is None:
+            step_k = 0
+            out = tr.forward(pending[:, None], cache, logits_at="all", return_hidden=needs_hidden)
+            logits, hidden = out if needs_hidden else (out, None)
+            n = torch.zeros(B, dtype=torch.long, device=device)
+            nxt = pick_tokens(logits[:, 0], sampler, generator)
+            drafts_list = None
+        else:
+            inputs = torch.cat([pending[:, None], proposal.tokens.to(device)], dim=1)  # (B, k+1)
+            out = verify_step(tr, cache, inputs, return_hidden=needs_hidden)
+            logits, hidden = out if needs_hidden else (out, None)
+            n, nxt = verify(logits, proposal, sampler, generator)
+            drafts_list = proposal.tokens.tolist()
+        # ragged advance: row b keeps pending + n_b drafts; finished rows stay where they were
+        cache.crop(torch.where(active, old + 1 + n, old))
+        if proposal is not None:  # (a proposal trimmed to k = 0 still drafted: roll it back to nothing)
+            drafter.rollback(torch.where(active, n, torch.zeros_like(n)))
+        if needs_hidden:
+            last_hidden = torch.where(active[:, None], hidden[rows, n], last_hidden)
+            unseen_hidden.append((hidden, torch.where(active, n + 1, torch.zeros_like(n))))
+        n_list, next_list = n.tolist(), nxt.tolist()  # host sync
+        end = time.perf_counter()
+        stats.step_k.append(step_k)
+        stats.draft_s.append(t_draft - start)
+        stats.verify_s.append(end - t_draft)
+        stats.step_s.append(end - start)
+        lengths = proposal.lengths.tolist() if step_k > 0 and proposal.lengths is not None else [step_k] * B
+        for b in range(B):
+            if done[b]:
+                continue
+            nb = n_list[b]
+            stats.row_steps += 1
+            stats.emitted += nb + 1
+            for i in range(min(nb + 1, lengths[b], step_k)):
+                stats.reached[i] += 1
+                stats.accepted[i] += int(i < nb)
+            new = (drafts_list[b][:nb] if drafts_list is not None else []) + [next_list[b]]
+            for t in new:
+                generated[b].append(t)
+                seqs[b].append(t)
+                if t in eos or len(generated[b]) >= max_new_tokens:
+                    done[b] = True
+                    break
+        if any(done):  # park finished rows at their prompt: their scratch writes then always fit
+            parked = torch.tensor(done, device=device)
+            cache.crop(torch.where(parked, prefilled.prompt_lengths, cache.lengths))
+        if policy is not None:
+            policy.update(step_k, n, active, stats.step_s[-1], stats.draft_s[-1], lengths=lengths)
+        pending = torch.tensor([s[-1] for s in seqs], device=device)
+        if bar is not None:
+            bar.update(max(0, min(max_new_tokens, max(map(len, generated))) - bar.n))
+    if bar is not None:
+        bar.close()
+    stats.new_tokens = sum(map(len, generated))
+    finished = [any(t in eos for t in row) for row in generated]
+    return SpecResult(tokens=generated, stats=stats, finished=finished)
+
+
+# ----------------------------------------------------------------------------------------------
+# the adaptive policy
+
+
+class AdaptivePolicy:
+    """Choose the draft length k per step to maximize goodput (SmartSpec, Liu et al. 2024):
+
+        goodput(k) = E[tokens | k] / (k * t_draft + T(B, k+1, S)),   goodput(0) = 1 / T(B, 1, S)
+        E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} a_i
+
+    a_i: running estimate of P(draft i accepted | drafts before it accepted), counts decayed by
+    `decay` per step so it follows the text (copying stretches vs free writing); a position never
+    reached borrows its predecessor's estimate. T: the step-time model (a fitted roofline),
+    t_draft: the measured draft seconds per drafted token (running mean). After a run of plain steps
+    the policy probes with k=1 once the time lost by not speculating could have paid for the probe
+    `1 / probe_budget` times over, so probing costs at most ~probe_budget of the run.
+    """
+
+    def __init__(self, step_time, *, ks=K_CHOICES, draft_s_per_token: float = 0.0, decay: float = 0.9,
+                 prior_strength: float = 2.0, probe_budget: float = 0.02):
+        ks = tuple(sorted(set(ks)))
+        if not ks or ks[0] < 0 or any(not isinstance(x, int) for x in ks):
+            raise ValueError(f"ks={ks!r} must be non-negative ints")
+        self.step_time, self.ks = step_time, ks
+        self.draft0, self.decay, self.prior_strength, self.probe_budget = draft_s_per_token, decay, prior_strength, probe_budget
+        self.begin(1)
+
+    def begin(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        depth = max(max(self.ks), 1)
+        self.reached, self.accepted = [0.0] * depth, [0.0] * depth
+        self.draft_s_per_token = self.draft0
+        self._draft_seen = 0
+        self._plain_run = 0.0
+        self.history: list[int] = []
+
+    def acceptance(self) -> list[float]:
+        est, prev = [], 0.5
+        for acc, reach in zip(self.accepted, self.reached):
+            prev = (acc + self.prior_strength * prev) / (reach + self.prior_strength)
+            est.append(prev)
+        return est
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.acceptance()[:k]:
+            run *= a
+            total += run
+        return total
+
+    def goodput(self, k: int, context: float) -> float:
+        seconds = float(self.step_time(self.batch_size, k + 1, context)) + k * self.draft_s_per_token
+        return self.expected_tokens(k) / seconds
+
+    def choose_k(self, n_active: int, *, context: float) -> int:
+        k = max(self.ks, key=lambda x: self.goodput(x, context))
+        if k == 0 and 1 in self.ks:
+            t1 = float(self.step_time(self.batch_size, 1, context))
+            probe_cost = float(self.step_time(self.batch_size, 2, context)) + self.draft_s_per_token - t1
+            self._plain_run += t1
+            if self._plain_run * self.probe_budget >= max(probe_cost, 0.0):
+                self._plain_run, k = 0.0, 1
+        else:
+            self._plain_run = 0.0
+        self.history.append(k)
+        return k
+
+    def update(self, k: int, n_accepted, active, step_s: float, draft_s: float, lengths=None) -> None:
+        if k == 0:
+            return
+        n = n_accepted[active].tolist()
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for nb in n:  # padding drafts (no n-gram match) count as rejections: they yield nothing
+            for i in range(min(nb + 1, k)):
+                self.reached[i] += 1
+                self.accepted[i] += int(i < nb)
+        self._draft_seen += 1
+        per_token = draft_s / k
+        self.draft_s_per_token += (per_token - self.draft_s_per_token) / min(self._draft_seen, 10)
+
+
+# ----------------------------------------------------------------------------------------------
+# calibration: measured step times for the roofline fit
+
+
+@torch.inference_mode()
+def measure_step_times(model, batch_sizes, n_tokens=(1, 2, 3, 5, 9), *, context: int = 256, repeats: int = 3,
+                       max_tokens: int = 0, layers=None, progress: bool = False) -> list[dict]:
+    """Time forward steps of n tokens per row at each batch size with `context` cached positions.
+    max_tokens > 0 skips points with batch * n > max(max_tokens, 2 * batch) (n = 1, 2 always run).
+
+    The cache is filled by cropping (its contents are zeros, which costs the same as real keys), so no
+    prefill is paid. -> rows {batch, n_tokens, context, seconds (median of repeats)}.
+    """
+    import statistics
+
+    tr = as_transformer(model)
+    n_layers = None if layers is None else len(layers)
+    grid = [(b, n) for b in batch_sizes for n in n_tokens if not max_tokens or b * n <= max(max_tokens, 2 * b)]
+    if progress:
+        from tqdm.auto import tqdm
+
+        grid = tqdm(grid, desc="calibrate", leave=False)
+    rows, cache = [], None
+    for b, n in grid:
+        if cache is None or cache.batch_size != b:
+            cache = tr.new_cache(b, context + max(n_tokens) + 1, n_layers=n_layers)
+        base = torch.full((b,), context, dtype=torch.long, device=tr.device)
+        gen = torch.Generator(device=tr.device).manual_seed(b * 100 + n)
+        tokens = torch.randint(3, tr.vocab_size, (b, n), device=tr.device, generator=gen)
+        times = []
+        for _ in range(repeats + 1):  # the first one warms up
+            cache.crop(base)
+            synchronize(tr.device)
+            start = time.perf_counter()
+            verify_step(tr, cache, tokens, layers=layers)
+            synchronize(tr.device)
+            times.append(time.perf_counter() - start)
+        rows.append({"batch": b, "n_tokens": n, "context": context, "seconds": statistics.median(times[1:])})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# experiments: workloads, the batch x drafter x k grid, transformers side by side
+
+
+def load_workloads(path=None, categories=None) -> list[dict]:
+    """data/spec_workloads.jsonl rows {id, category, source, prompt}, optionally of some categories."""
+    import json
+    from pathlib import Path
+
+    path = Path(path) if path is not None else Path(__file__).resolve().parents[2] / "data" / "spec_workloads.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if categories is not None:
+        known = sorted({r["category"] for r in rows})
+        unknown = sorted(set(categories) - set(known))
+        if unknown:
+            raise ValueError(f"categories={list(categories)!r}: {unknown} unknown; allowed: {known}")
+        rows = [r for r in rows if r["category"] in categories]
+    return rows
+
+
+def workload_prompts(tokenizer, items: list[dict], batch_size: int, *, offset: int = 0) -> list[list[int]]:
+    """batch_size chat-formatted prompt token lists, cycling through items (ragged lengths)."""
+    from decodelab.tasks import chat_prompt_ids
+
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": items[(offset + i) % len(items)]["prompt"]}])
+            for i in range(batch_size)]
+
+
+def _row(stats: SpecStats, **labels) -> dict:
+    d = stats.as_dict()
+    steps_with_drafts = [k for k in stats.step_k if k > 0]
+    d["draft_s_per_token"] = d["draft_s"] / sum(steps_with_drafts) if steps_with_drafts else 0.0
+    d["acceptance"] = stats.acceptance_per_position
+    d["context"] = stats.prompt_tokens / stats.batch_size + stats.new_tokens / stats.batch_size / 2
+    return {**labels, **d}
+
+
+def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_new_tokens: int, sampler=None,
+                seed: int = 0, eos_token_ids=None) -> list[dict]:
+    """Run plain decoding and each method on one shared prefill of `prompts`.
+
+    methods: (drafter_name, make_drafter() -> Drafter, k: int or make_policy(batch) -> AdaptivePolicy).
+    -> one row per method (+ "plain" first) with SpecStats fields, `speedup` = decode tokens/s over plain's
+    and `tokens` (new tokens per row, to check greedy equality).
+    """
+    pre = prefill(model, prompts, max_new_tokens=max_new_tokens)
+    B = len(prompts)
+
+    def one(drafter, k):
+        gen = torch.Generator(device=as_transformer(model).device).manual_seed(seed)
+        return generate(model, drafter=drafter, k=k, max_new_tokens=max_new_tokens, sampler=sampler,
+                        generator=gen, eos_token_ids=eos_token_ids, prefilled=pre)
+
+    plain = one(None, 0)
+    rows = [_row(plain.stats, batch=B, drafter="plain", k=0, speedup=1.0, tokens=plain.tokens)]
+    for name, make, k in methods:
+        k_run = k(B) if callable(k) else k
+        res = one(make(), k_run)
+        rows.append(_row(res.stats, batch=B, drafter=name, k="adaptive" if callable(k) else k,
+                         speedup=res.stats.decode_tokens_per_s / plain.stats.decode_tokens_per_s, tokens=res.tokens))
+    return rows
+
+
+def greedy_match(model, prompts: list[list[int]], drafters: dict, *, ks=(1, 4), max_new_tokens: int = 16) -> dict:
+    """{drafter: bool}: greedy speculative output == plain greedy (engine.generate), token for token."""
+    from decodelab.engine import generate as plain_generate
+
+    ref = plain_generate(model, prompts, max_new_tokens=max_new_tokens).tokens
+    return {name: all(generate(model, prompts, make(), k=k, max_new_tokens=max_new_tokens).tokens == ref for k in ks)
+            for name, make in drafters.items()}
+
+
+def hf_side_by_side(model, prompts: list[list[int]], *, k: int, max_new_tokens: int, draft=None) -> list[dict]:
+    """Batch 1, greedy: transformers plain / prompt lookup / assisted generation next to ours.
+
+    -> rows {impl, method, prompt, tokens_per_s (prefill included), new_tokens, same_as_plain}.
+    draft: a LoadedModel for `assistant_model=` and our ModelDrafter (None: skip that pair).
+    """
+    from decodelab.drafters import ModelDrafter, NGramDrafter
+
+    hf, device = model.hf_model, model.device
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], device=device)
+        hf_runs = {"plain": {}, "ngram": {"prompt_lookup_num_tokens": k}}
+        if draft is not None:
+            # constant k and no confidence cut-off: the same algorithm as ours (transformers' defaults adapt k)
+            hf_runs["draft_model"] = {"assistant_model": draft.hf_model, "num_assistant_tokens": k,
+                                      "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+        ref = None
+        for method, extra in hf_runs.items():
+            synchronize(device)
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=model.eos_token_ids,
+                                  pad_token_id=model.tokenizer.pad_token_id, **extra)
+            synchronize(device)
+            seconds = time.perf_counter() - start
+            new = out[0, len(prompt):].tolist()
+            ref = new if ref is None else ref
+            rows.append({"impl": "hf", "method": method, "prompt": i, "tokens_per_s": len(new) / seconds,
+                         "new_tokens": len(new), "same_as_plain": new == ref})
+        ours = {"plain": (None, 0), "ngram": (NGramDrafter(), k)}
+        if draft is not None:
+            ours["draft_model"] = (ModelDrafter(draft, model), k)
+        pre = prefill(model, [prompt], max_new_tokens=max_new_tokens)  # shared; its time counts in every run
+        for method, (drafter, kk) in ours.items():
+            res = generate(model, drafter=drafter, k=kk, max_new_tokens=max_new_tokens, prefilled=pre)
+            new = res.tokens[0]
+            rows.append({"impl": "ours", "method": method, "prompt": i, "tokens_per_s": res.stats.tokens_per_s,
+                         "new_tokens": len(new), "same_as_plain": new == ref})
+    return rows
