@@ -17,6 +17,15 @@ def test_ngram_proposes_what_followed_the_latest_occurrence():
     assert prop.tokens.tolist() == [[4, 8, 9]] and prop.lengths.tolist() == [3]
 
 
+def test_ngram_earliest_match_proposes_what_followed_the_first_occurrence():
+    d = NGramDrafter(max_ngram=2, match="earliest")
+    seq = [1, 2, 3, 7, 1, 2, 4, 8, 9, 1, 2]
+    d.begin([seq])
+    assert d.propose(DraftContext(tokens=[seq]), 3).tokens.tolist() == [[3, 7, 1]]
+    with pytest.raises(ValueError, match="match"):
+        NGramDrafter(match="first")
+
+
 def test_ngram_continuation_wraps_around_a_repeating_tail():
     d = NGramDrafter()
     seq = [5, 6, 5, 6, 5]

@@ -323,3 +323,36 @@ def test_needs_hidden_drafters_get_the_targets_state_of_every_cached_position(ti
         full = torch.tensor([prompt + out.tokens[b]])[:, : seen.shape[0]]
         _, hidden = tr.forward(full, tr.new_cache(1, full.shape[1]), return_hidden=True)
         torch.testing.assert_close(seen, hidden[0], atol=1e-4, rtol=1e-4)
+
+
+def test_adaptive_policy_learns_the_observed_verify_cost_and_stops_speculating():
+    # the model says verifying is free; the steps show k = 4 costs five plain steps
+    policy = speculative.AdaptivePolicy(lambda b, n, s: 1.0, ks=(0, 4), probe_budget=0.0)
+    policy.begin(1)
+    assert policy.choose_k(1, context=10.0) == 4
+    for _ in range(20):
+        policy.update(0, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.bool), 1.0, 0.0, context=10.0)
+        policy.update(4, torch.tensor([4]), torch.ones(1, dtype=torch.bool), 5.0, 0.0, context=10.0)
+    assert policy.ratio(4) == pytest.approx(5.0, rel=1e-3) and policy.ratio(0) == pytest.approx(1.0)
+    # five tokens for five plain steps' time: no better than plain decoding, so plain it is
+    assert policy.choose_k(1, context=10.0) == 0
+
+
+def test_adaptive_policy_picks_plain_unless_speculation_clearly_pays():
+    # prior acceptance 0.5: k = 1 yields 1.5 tokens per 1.45-step verify, 3% over plain: within the margin
+    step = lambda b, n, s: 1.0 + 0.45 * (n - 1)  # noqa: E731
+    assert speculative.AdaptivePolicy(step, ks=(0, 1), probe_budget=0.0).choose_k(1, context=1.0) == 0
+    assert speculative.AdaptivePolicy(step, ks=(0, 1), probe_budget=0.0, margin=0.0).choose_k(1, context=1.0) == 1
+
+
+def test_interleaved_method_runs_keep_plain_greedy_tokens_and_the_fastest_round(tiny):
+    from decodelab import speculative_bench
+
+    prompts = _prompts(2)
+    rows = speculative_bench.run_methods(tiny, prompts, [("ngram", NGramDrafter, 2)], max_new_tokens=8,
+                                         eos_token_ids=[], repeats=2)
+    assert [r["drafter"] for r in rows] == ["plain", "ngram"] and rows[0]["speedup"] == 1.0
+    assert rows[1]["tokens"] == rows[0]["tokens"] == engine.generate(tiny, prompts, max_new_tokens=8, eos_token_ids=[]).tokens
+    calib = speculative_bench.measure_step_times(tiny, [1, 2], (1, 3), context=8, repeats=3)
+    assert all(r["seconds"] <= r["seconds_median"] for r in calib) and len(calib) == 4
+

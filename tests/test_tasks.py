@@ -128,11 +128,3 @@ def test_writing_prompts_file_is_well_formed():
     prompts = tasks.load_writing_prompts(DATA / "writing_prompts.jsonl")
     assert len(prompts) >= 32 and len(set(prompts)) == len(prompts)
     assert all(10 < len(p) < 300 for p in prompts)
-
-
-def test_row_seed_is_still_importable_from_tasks():
-    """consistency.py imports row_seed from tasks: the name moved to sampling_study, tasks re-exports it."""
-    from decodelab import sampling_study
-    from decodelab.tasks import row_seed
-
-    assert row_seed is sampling_study.row_seed

@@ -306,10 +306,10 @@ class Pools:
 
 def row_generator(seed: int, problem: int, sample: int, device="cpu"):
     """The generator of sample `sample` of problem `problem`: the same stream whatever the batching
-    (seeded by `tasks.row_seed`, as the sampling notebook's streams are)."""
+    (seeded by `sampling_study.row_seed`, as the sampling notebook's streams are)."""
     import torch
 
-    from decodelab.tasks import row_seed
+    from decodelab.sampling_study import row_seed
 
     return torch.Generator(device=device).manual_seed(row_seed(seed, problem, sample))
 

@@ -153,14 +153,18 @@ class NGramDrafter(DrafterBase):
     incrementally as ctx.tokens grows, so a step costs O(new tokens) per row, not O(sequence).
     When the continuation runs into the current end of the sequence it wraps around periodically
     (a repeated pattern keeps repeating). A row with no match proposes nothing (`lengths[b] = 0`).
+    match="earliest" copies after the n-gram's first occurrence instead (transformers' prompt lookup
+    does, and in code editing the first occurrence is often the passage being copied).
     """
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, match: str = "latest"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"min_ngram={min_ngram!r}, max_ngram={max_ngram!r}: need 1 <= min_ngram <= max_ngram")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        if match not in ("latest", "earliest"):
+            raise ValueError(f"match={match!r} must be 'latest' or 'earliest'")
+        self.max_ngram, self.min_ngram, self.match = max_ngram, min_ngram, match
         self._index: list[dict] = []
         self._seen: list[int] = []
 
@@ -171,10 +175,13 @@ class NGramDrafter(DrafterBase):
     def _update(self, b: int, seq: list[int]) -> None:
         index, end = self._index[b], len(seq)
         # Register every n-gram seq[e-n:e] whose continuation seq[e] exists (e <= end - 1);
-        # later occurrences overwrite earlier ones, so lookups return the latest.
+        # "latest": later occurrences overwrite earlier ones; "earliest": the first one stays.
+        keep_first = self.match == "earliest"
         for e in range(max(self._seen[b], 1), end):
             for n in range(self.min_ngram, min(self.max_ngram, e) + 1):
-                index[tuple(seq[e - n:e])] = e
+                key = tuple(seq[e - n:e])
+                if not (keep_first and key in index):
+                    index[key] = e
         self._seen[b] = max(self._seen[b], end)
 
     def lookup(self, b: int, seq: list[int], k: int) -> list[int]:
@@ -376,7 +383,7 @@ def make_drafter(name: str, target, **options):
     """Build a drafter by name: "ngram" (max_ngram, min_ngram), "layer_skip" (layers), "draft_model"
     (draft: a LoadedModel sharing the tokenizer, or draft_layers: int for a truncated copy of the target)."""
     if name == "ngram":
-        return NGramDrafter(**{k: v for k, v in options.items() if k in ("max_ngram", "min_ngram")})
+        return NGramDrafter(**{k: v for k, v in options.items() if k in ("max_ngram", "min_ngram", "match")})
     if name == "layer_skip":
         return LayerSkipDrafter(target, options["layers"])
     if name == "draft_model":

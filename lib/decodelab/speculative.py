@@ -334,7 +334,8 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
         active_list = [not d for d in done]
         active = torch.tensor(active_list, device=device)
         n_active = sum(active_list)
-        step_k = policy.choose_k(n_active, context=cache.lengths.float().mean().item()) if policy is not None else k
+        context = cache.lengths.float().mean().item() if policy is not None else 0.0
+        step_k = policy.choose_k(n_active, context=context) if policy is not None else k
         if step_k > len(stats.reached):  # deeper drafts than K_CHOICES: grow the per-position counters
             grow = step_k - len(stats.reached)
             stats.reached += [0] * grow
@@ -400,7 +401,7 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
             parked = torch.tensor(done, device=device)
             cache.crop(torch.where(parked, prefilled.prompt_lengths, cache.lengths))
         if policy is not None:
-            policy.update(step_k, n, active, stats.step_s[-1], stats.draft_s[-1], lengths=lengths)
+            policy.update(step_k, n, active, stats.step_s[-1], stats.draft_s[-1], lengths=lengths, context=context)
         pending = torch.tensor([s[-1] for s in seqs], device=device)
         if bar is not None:
             bar.update(max(0, min(max_new_tokens, max(map(len, generated))) - bar.n))
@@ -418,24 +419,35 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
 class AdaptivePolicy:
     """Choose the draft length k per step to maximize goodput (SmartSpec, Liu et al. 2024):
 
-        goodput(k) = E[tokens | k] / (k * t_draft + T(B, k+1, S)),   goodput(0) = 1 / T(B, 1, S)
+        goodput(k) = E[tokens | k] / (k * t_draft + r_k T(B, k+1, S)),   goodput(0) = 1 / (r_0 T(B, 1, S))
         E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} a_i
 
     a_i: running estimate of P(draft i accepted | drafts before it accepted), counts decayed by
     `decay` per step so it follows the text (copying stretches vs free writing); a position never
     reached borrows its predecessor's estimate. T: the step-time model (a fitted roofline),
-    t_draft: the measured draft seconds per drafted token (running mean). After a run of plain steps
-    the policy probes with k=1 once the time lost by not speculating could have paid for the probe
+    t_draft: the measured draft seconds per drafted token (running mean). r_k: an online correction of
+    the model, an exponential moving average (weight `time_ema`) of observed / predicted verify time of
+    the steps that verified k drafts (a k never observed borrows the nearest observed k's ratio, else 1):
+    a roofline fitted on a quiet machine, or off at this context, is pulled towards what the steps take.
+    k > 0 is chosen only when its goodput beats plain decoding's by more than `margin`, so where
+    speculation cannot clearly pay the policy runs plain steps. After a run of plain steps the policy
+    probes with k=1 once the time lost by not speculating could have paid for the probe
     `1 / probe_budget` times over, so probing costs at most ~probe_budget of the run.
     """
 
     def __init__(self, step_time, *, ks=K_CHOICES, draft_s_per_token: float = 0.0, decay: float = 0.9,
-                 prior_strength: float = 2.0, probe_budget: float = 0.02):
+                 prior_strength: float = 2.0, probe_budget: float = 0.02, margin: float = 0.05,
+                 time_ema: float = 0.25):
         ks = tuple(sorted(set(ks)))
         if not ks or ks[0] < 0 or any(not isinstance(x, int) for x in ks):
             raise ValueError(f"ks={ks!r} must be non-negative ints")
+        if margin < 0:
+            raise ValueError(f"margin={margin!r} must be >= 0")
+        if not 0 < time_ema <= 1:
+            raise ValueError(f"time_ema={time_ema!r} must be in (0, 1]")
         self.step_time, self.ks = step_time, ks
         self.draft0, self.decay, self.prior_strength, self.probe_budget = draft_s_per_token, decay, prior_strength, probe_budget
+        self.margin, self.time_ema = margin, time_ema
         self.begin(1)
 
     def begin(self, batch_size: int) -> None:
@@ -445,6 +457,7 @@ class AdaptivePolicy:
         self.draft_s_per_token = self.draft0
         self._draft_seen = 0
         self._plain_run = 0.0
+        self.time_ratio: dict[int, float] = {}  # k -> EMA of observed / predicted verify seconds
         self.history: list[int] = []
 
     def acceptance(self) -> list[float]:
@@ -461,15 +474,29 @@ class AdaptivePolicy:
             total += run
         return total
 
+    def ratio(self, k: int) -> float:
+        """Observed / predicted verify time for k drafts (nearest observed k when k was never run)."""
+        if k in self.time_ratio:
+            return self.time_ratio[k]
+        if not self.time_ratio:
+            return 1.0
+        return self.time_ratio[min(self.time_ratio, key=lambda j: (abs(j - k), j))]
+
+    def verify_seconds(self, k: int, context: float) -> float:
+        return self.ratio(k) * float(self.step_time(self.batch_size, k + 1, context))
+
     def goodput(self, k: int, context: float) -> float:
-        seconds = float(self.step_time(self.batch_size, k + 1, context)) + k * self.draft_s_per_token
+        seconds = self.verify_seconds(k, context) + k * self.draft_s_per_token
         return self.expected_tokens(k) / seconds
 
     def choose_k(self, n_active: int, *, context: float) -> int:
-        k = max(self.ks, key=lambda x: self.goodput(x, context))
+        plain = self.goodput(0, context)
+        best = max((x for x in self.ks if x > 0), key=lambda x: self.goodput(x, context), default=0)
+        # speculate only when it clearly pays: a goodput within the margin is noise in the model
+        k = best if best and self.goodput(best, context) > (1 + self.margin) * plain else 0
         if k == 0 and 1 in self.ks:
-            t1 = float(self.step_time(self.batch_size, 1, context))
-            probe_cost = float(self.step_time(self.batch_size, 2, context)) + self.draft_s_per_token - t1
+            t1 = self.verify_seconds(0, context)
+            probe_cost = self.verify_seconds(1, context) + self.draft_s_per_token - t1
             self._plain_run += t1
             if self._plain_run * self.probe_budget >= max(probe_cost, 0.0):
                 self._plain_run, k = 0.0, 1
@@ -478,7 +505,22 @@ class AdaptivePolicy:
         self.history.append(k)
         return k
 
-    def update(self, k: int, n_accepted, active, step_s: float, draft_s: float, lengths=None) -> None:
+    def update(self, k: int, n_accepted, active, step_s: float, draft_s: float, lengths=None,
+               context: float | None = None) -> None:
+        """After a step that verified k drafts (0: a plain step) and took step_s seconds, draft_s of them
+        drafting. With `context` (the mean cached length the step was predicted at) the step-time
+        correction r_k learns from it too."""
+        if context is not None:
+            predicted = float(self.step_time(self.batch_size, k + 1, context))
+            if predicted > 0 and step_s > draft_s:
+                prev = self.time_ratio.get(k)
+                # one slow step (a burst of background load) moves the estimate by at most 2x
+                observed = (step_s - draft_s) / predicted
+                if prev is None:
+                    self.time_ratio[k] = observed
+                else:
+                    observed = min(max(observed, prev / 2), prev * 2)
+                    self.time_ratio[k] = prev + self.time_ema * (observed - prev)
         if k == 0:
             return
         n = n_accepted[active].tolist()
@@ -491,159 +533,3 @@ class AdaptivePolicy:
         self._draft_seen += 1
         per_token = draft_s / k
         self.draft_s_per_token += (per_token - self.draft_s_per_token) / min(self._draft_seen, 10)
-
-
-# ----------------------------------------------------------------------------------------------
-# calibration: measured step times for the roofline fit
-
-
-@torch.inference_mode()
-def measure_step_times(model, batch_sizes, n_tokens=(1, 2, 3, 5, 9), *, context: int = 256, repeats: int = 3,
-                       max_tokens: int = 0, layers=None, progress: bool = False) -> list[dict]:
-    """Time forward steps of n tokens per row at each batch size with `context` cached positions.
-    max_tokens > 0 skips points with batch * n > max(max_tokens, 2 * batch) (n = 1, 2 always run).
-
-    The cache is filled by cropping (its contents are zeros, which costs the same as real keys), so no
-    prefill is paid. -> rows {batch, n_tokens, context, seconds (median of repeats)}.
-    """
-    import statistics
-
-    tr = as_transformer(model)
-    n_layers = None if layers is None else len(layers)
-    grid = [(b, n) for b in batch_sizes for n in n_tokens if not max_tokens or b * n <= max(max_tokens, 2 * b)]
-    if progress:
-        from tqdm.auto import tqdm
-
-        grid = tqdm(grid, desc="calibrate", leave=False)
-    rows, cache = [], None
-    for b, n in grid:
-        if cache is None or cache.batch_size != b:
-            cache = tr.new_cache(b, context + max(n_tokens) + 1, n_layers=n_layers)
-        base = torch.full((b,), context, dtype=torch.long, device=tr.device)
-        gen = torch.Generator(device=tr.device).manual_seed(b * 100 + n)
-        tokens = torch.randint(3, tr.vocab_size, (b, n), device=tr.device, generator=gen)
-        times = []
-        for _ in range(repeats + 1):  # the first one warms up
-            cache.crop(base)
-            synchronize(tr.device)
-            start = time.perf_counter()
-            verify_step(tr, cache, tokens, layers=layers)
-            synchronize(tr.device)
-            times.append(time.perf_counter() - start)
-        rows.append({"batch": b, "n_tokens": n, "context": context, "seconds": statistics.median(times[1:])})
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# experiments: workloads, the batch x drafter x k grid, transformers side by side
-
-
-def load_workloads(path=None, categories=None) -> list[dict]:
-    """data/spec_workloads.jsonl rows {id, category, source, prompt}, optionally of some categories."""
-    import json
-    from pathlib import Path
-
-    path = Path(path) if path is not None else Path(__file__).resolve().parents[2] / "data" / "spec_workloads.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if categories is not None:
-        known = sorted({r["category"] for r in rows})
-        unknown = sorted(set(categories) - set(known))
-        if unknown:
-            raise ValueError(f"categories={list(categories)!r}: {unknown} unknown; allowed: {known}")
-        rows = [r for r in rows if r["category"] in categories]
-    return rows
-
-
-def workload_prompts(tokenizer, items: list[dict], batch_size: int, *, offset: int = 0) -> list[list[int]]:
-    """batch_size chat-formatted prompt token lists, cycling through items (ragged lengths)."""
-    from decodelab.tasks import chat_prompt_ids
-
-    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": items[(offset + i) % len(items)]["prompt"]}])
-            for i in range(batch_size)]
-
-
-def _row(stats: SpecStats, **labels) -> dict:
-    d = stats.as_dict()
-    steps_with_drafts = [k for k in stats.step_k if k > 0]
-    d["draft_s_per_token"] = d["draft_s"] / sum(steps_with_drafts) if steps_with_drafts else 0.0
-    d["acceptance"] = stats.acceptance_per_position
-    d["context"] = stats.prompt_tokens / stats.batch_size + stats.new_tokens / stats.batch_size / 2
-    return {**labels, **d}
-
-
-def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_new_tokens: int, sampler=None,
-                seed: int = 0, eos_token_ids=None) -> list[dict]:
-    """Run plain decoding and each method on one shared prefill of `prompts`.
-
-    methods: (drafter_name, make_drafter() -> Drafter, k: int or make_policy(batch) -> AdaptivePolicy).
-    -> one row per method (+ "plain" first) with SpecStats fields, `speedup` = decode tokens/s over plain's
-    and `tokens` (new tokens per row, to check greedy equality).
-    """
-    pre = prefill(model, prompts, max_new_tokens=max_new_tokens)
-    B = len(prompts)
-
-    def one(drafter, k):
-        gen = torch.Generator(device=as_transformer(model).device).manual_seed(seed)
-        return generate(model, drafter=drafter, k=k, max_new_tokens=max_new_tokens, sampler=sampler,
-                        generator=gen, eos_token_ids=eos_token_ids, prefilled=pre)
-
-    plain = one(None, 0)
-    rows = [_row(plain.stats, batch=B, drafter="plain", k=0, speedup=1.0, tokens=plain.tokens)]
-    for name, make, k in methods:
-        k_run = k(B) if callable(k) else k
-        res = one(make(), k_run)
-        rows.append(_row(res.stats, batch=B, drafter=name, k="adaptive" if callable(k) else k,
-                         speedup=res.stats.decode_tokens_per_s / plain.stats.decode_tokens_per_s, tokens=res.tokens))
-    return rows
-
-
-def greedy_match(model, prompts: list[list[int]], drafters: dict, *, ks=(1, 4), max_new_tokens: int = 16) -> dict:
-    """{drafter: bool}: greedy speculative output == plain greedy (engine.generate), token for token."""
-    from decodelab.engine import generate as plain_generate
-
-    ref = plain_generate(model, prompts, max_new_tokens=max_new_tokens).tokens
-    return {name: all(generate(model, prompts, make(), k=k, max_new_tokens=max_new_tokens).tokens == ref for k in ks)
-            for name, make in drafters.items()}
-
-
-def hf_side_by_side(model, prompts: list[list[int]], *, k: int, max_new_tokens: int, draft=None) -> list[dict]:
-    """Batch 1, greedy: transformers plain / prompt lookup / assisted generation next to ours.
-
-    -> rows {impl, method, prompt, tokens_per_s (prefill included), new_tokens, same_as_plain}.
-    draft: a LoadedModel for `assistant_model=` and our ModelDrafter (None: skip that pair).
-    """
-    from decodelab.drafters import ModelDrafter, NGramDrafter
-
-    hf, device = model.hf_model, model.device
-    rows = []
-    for i, prompt in enumerate(prompts):
-        ids = torch.tensor([prompt], device=device)
-        hf_runs = {"plain": {}, "ngram": {"prompt_lookup_num_tokens": k}}
-        if draft is not None:
-            # constant k and no confidence cut-off: the same algorithm as ours (transformers' defaults adapt k)
-            hf_runs["draft_model"] = {"assistant_model": draft.hf_model, "num_assistant_tokens": k,
-                                      "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
-        ref = None
-        for method, extra in hf_runs.items():
-            synchronize(device)
-            start = time.perf_counter()
-            with torch.no_grad():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                  do_sample=False, eos_token_id=model.eos_token_ids,
-                                  pad_token_id=model.tokenizer.pad_token_id, **extra)
-            synchronize(device)
-            seconds = time.perf_counter() - start
-            new = out[0, len(prompt):].tolist()
-            ref = new if ref is None else ref
-            rows.append({"impl": "hf", "method": method, "prompt": i, "tokens_per_s": len(new) / seconds,
-                         "new_tokens": len(new), "same_as_plain": new == ref})
-        ours = {"plain": (None, 0), "ngram": (NGramDrafter(), k)}
-        if draft is not None:
-            ours["draft_model"] = (ModelDrafter(draft, model), k)
-        pre = prefill(model, [prompt], max_new_tokens=max_new_tokens)  # shared; its time counts in every run
-        for method, (drafter, kk) in ours.items():
-            res = generate(model, drafter=drafter, k=kk, max_new_tokens=max_new_tokens, prefilled=pre)
-            new = res.tokens[0]
-            rows.append({"impl": "ours", "method": method, "prompt": i, "tokens_per_s": res.stats.tokens_per_s,
-                         "new_tokens": len(new), "same_as_plain": new == ref})
-    return rows

@@ -242,16 +242,3 @@ def writing_messages(prompt: str) -> list[dict]:
 def writing_prompt(prompt: str, tokenizer) -> list[int]:
     """Token ids of the chat prompt for one open-ended writing prompt."""
     return chat_prompt_ids(tokenizer, writing_messages(prompt))
-
-
-# Moved to `sampling_study`, still importable from here for modules that import them from `tasks`
-# (consistency.py). Resolved lazily: `sampling_study` imports this module, and `tasks` stays light.
-_MOVED_TO_SAMPLING_STUDY = ("row_seed",)
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_SAMPLING_STUDY:
-        from decodelab import sampling_study
-
-        return getattr(sampling_study, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
