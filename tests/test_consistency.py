@@ -140,7 +140,7 @@ def test_early_stop_saves_samples_on_unanimous_pools():
 
 
 def test_cost_methods_give_n_samples_of_exact_length(tiny):
-    from decodelab.consistency import cost_sweep, goal_summary
+    from decodelab.consistency_cost import cost_sweep, goal_summary
 
     rows = cost_sweep(tiny, [24], [1, 3], new_tokens=5, progress=False)
     assert {(r["method"], r["n"]) for r in rows} == {(m, n) for m in
@@ -153,7 +153,7 @@ def test_cost_methods_give_n_samples_of_exact_length(tiny):
 
 
 def test_greedy_methods_agree_token_for_token(tiny):
-    from decodelab.consistency import long_prompt, run_method
+    from decodelab.consistency_cost import long_prompt, run_method
 
     prompt = long_prompt(None, 30)
     outs = {m: run_method(tiny, m, prompt, 2, new_tokens=6) for m in ("shared", "unshared", "hf_num_return_sequences")}
@@ -161,7 +161,7 @@ def test_greedy_methods_agree_token_for_token(tiny):
 
 
 def test_baselines_skipped_beyond_the_token_budget(tiny):
-    from decodelab.consistency import cost_sweep
+    from decodelab.consistency_cost import cost_sweep
 
     rows = cost_sweep(tiny, [20], [1, 4], new_tokens=2, baseline_max_tokens=40, progress=False)
     assert sorted((r["method"], r["n"]) for r in rows) == [
@@ -169,7 +169,8 @@ def test_baselines_skipped_beyond_the_token_budget(tiny):
 
 
 def test_check_shared_equals_unshared_on_tiny(tiny):
-    from decodelab.consistency import check_shared_equals_unshared, long_prompt
+    from decodelab.consistency import check_shared_equals_unshared
+    from decodelab.consistency_cost import long_prompt
 
     check = check_shared_equals_unshared(tiny, [long_prompt(None, 9, seed=1), long_prompt(None, 14, seed=2)], 3,
                                          max_new_tokens=6)
