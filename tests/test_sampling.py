@@ -362,77 +362,11 @@ def test_labels_are_short_and_readable():
     assert SamplerConfig().label() == "T=1.0"
 
 
-# ----------------------------------------------------------------------------------------------
-# the sorted top window (speed only): results equal the whole-row computation
+def test_argmax_rows_equals_torch_argmax_including_ties():
+    from decodelab.sampling import argmax_rows
 
-from decodelab.sampling import sort_values, top_window  # noqa: E402
-
-SMALL_WINDOW = (4, 8)  # 4 blocks of 8 tokens: most kept sets spill below it at V = 512
-WHOLE_ROW = (1, 10**6)  # 4 * blocks * block > V: the window is the whole row
-
-
-def lm_like_logits(seed=0, batch=24, vocab=512):
-    """Peaked and flat rows, with a shared head so the top tokens cluster in a few blocks."""
-    logits = random_logits(seed, batch=batch, vocab=vocab)
-    logits[:, :6] += torch.linspace(6.0, 1.0, 6)
-    return logits
-
-
-def test_top_window_holds_the_top_of_each_row_down_to_its_floor():
-    logits = lm_like_logits(20)
-    w = top_window(logits, NEG_INF, *SMALL_WINDOW)
-    full = sort_values(logits)
-    for b in range(logits.shape[0]):
-        above = full[b][full[b] > w.floor[b]]
-        assert len(above) >= SMALL_WINDOW[0] - 1 and torch.equal(w.asc[b][w.asc[b] > w.floor[b]], above)
-        assert (w.cand[b] == logits[b, w.ids[b]]).all() and (w.ids[b].diff() > 0).all()  # token-id order
-
-
-@pytest.mark.parametrize("wide_k", [False, True], ids=["top_k<=blocks", "top_k>blocks"])
-@pytest.mark.parametrize("order", ["hf", "vllm"])
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 3.0])
-def test_small_window_gives_the_same_kept_sets_and_draws_as_the_whole_row(order, temperature, wide_k):
-    configs = [
-        SamplerConfig(temperature=temperature),
-        SamplerConfig(temperature=temperature, top_p=0.9),
-        SamplerConfig(temperature=temperature, min_p=0.1),
-        SamplerConfig(temperature=temperature, top_k=50 if wide_k else 3),  # 50 > 4 blocks: the window grows
-        SamplerConfig(temperature=0.0),
-        SamplerConfig(temperature=temperature, top_k=4, top_p=0.95, min_p=0.02),
-        SamplerConfig(temperature=temperature, top_p=0.6, epsilon=3e-3),
-        SamplerConfig(temperature=temperature, eta=1e-3, min_p=0.05),
-    ] * 3
-    logits = lm_like_logits(21, batch=len(configs))
-    small, whole = Sampler(configs, order, window=SMALL_WINDOW), Sampler(configs, order, window=WHOLE_ROW)
-    kept = ~torch.isinf(small.process(logits))
-    assert torch.equal(kept, ~torch.isinf(whole.process(logits)))
-    if temperature >= 1.0:
-        assert (kept.sum(-1) > 32).any()  # some nucleus is wider than the window: the fallback ran
-    for seed in range(5):
-        a = small.sample(logits, torch.Generator().manual_seed(seed))
-        assert torch.equal(a, whole.sample(logits, torch.Generator().manual_seed(seed)))
-        u = torch.rand(len(configs), generator=torch.Generator().manual_seed(seed))
-        assert torch.equal(a, sample_inverse_cdf(small.process(logits), u, SMALL_WINDOW))
-
-
-def test_inverse_cdf_with_a_small_window_equals_the_whole_row_on_a_grid():
-    """u on a grid covers draws inside the window and below it (whole-row fallback)."""
-    row = lm_like_logits(22, batch=1)
-    n = 4000
-    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    rows = row.expand(n, -1).contiguous()
-    small = sample_inverse_cdf(rows, u.float(), SMALL_WINDOW)
-    assert torch.equal(small, sample_inverse_cdf(rows, u.float(), WHOLE_ROW))
-    assert not small.eq(small[0]).all()
-
-
-def test_inverse_cdf_with_a_small_window_splits_ties_evenly():
-    row = torch.full((1, 512), -20.0)
-    row[0, [3, 100, 101]] = 2.0  # a three-way tie for the max, across two blocks of the window
-    row[0, 400], row[0, 200], row[0, 300] = 1.5, 1.0, 0.5  # the window's 4 blocks end at 1.0
-    freq = grid_frequencies(row)  # the default window is the whole row at V = 512 ...
-    n = 20000
-    u = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).float()
-    small = sample_inverse_cdf(row.expand(n, -1).contiguous(), u, SMALL_WINDOW)  # ... this one is not
-    assert torch.equal(torch.bincount(small, minlength=512).double() / n, freq)
-    torch.testing.assert_close(freq, row.softmax(-1)[0].double(), rtol=0, atol=2 / n)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 1000, generator=g)
+    logits[3, [5, 700]] = 100.0  # a tie: the first index wins in both
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits)[3] == 5 and argmax_rows(logits).dtype == torch.long

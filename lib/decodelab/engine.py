@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decodelab.sampling import argmax_rows
 from decodelab.transformer import KVCache, Transformer
 
 
@@ -54,6 +55,7 @@ class GenerationResult:
     tokens: list[list[int]]  # new tokens per row, EOS included when hit, nothing after it
     stats: DecodeStats
     finished: list[bool]  # whether each row stopped on EOS
+    logprobs: list[float] | None = None  # per row: sum of log p(token) under the model's raw logits
 
 
 def as_transformer(model) -> Transformer:
@@ -115,13 +117,17 @@ def validate_generation_args(prompts, max_new_tokens: int) -> None:
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampler=None, generator=None,
-             eos_token_ids: list[int] | None = None, progress: bool = False) -> GenerationResult:
+             eos_token_ids: list[int] | None = None, progress: bool = False, prefilled=None,
+             return_logprobs: bool = False) -> GenerationResult:
     """Batched decoding of ragged prompts with a KV cache.
 
     sampler: a `decodelab.sampling.Sampler` (None = greedy argmax); generator: torch.Generator or a list
     of one per row. eos_token_ids: tokens that end a row (default: the model's; [] = never stop early).
     A row that finished keeps riding in the batch (its tokens are ignored); the loop ends when every row
     has finished or after max_new_tokens steps.
+    prefilled: (cache, last_logits (B, V)) from the caller's own prefill (e.g. a shared-prefix cache with
+    room for max_new_tokens); the prompts then only count prompt tokens and the caller times the prefill.
+    return_logprobs: also sum each row's log softmax(logits)[token] over its tokens.
     """
     validate_generation_args(prompts, max_new_tokens)
     tr = as_transformer(model)
@@ -132,13 +138,16 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampl
 
     synchronize(tr.device)
     start = time.perf_counter()
-    cache, logits = prefill(tr, prompts, max_new_tokens=max_new_tokens)
+    cache, logits = prefilled if prefilled is not None else prefill(tr, prompts, max_new_tokens=max_new_tokens)
     next_tokens = pick_tokens(logits, sampler, generator)
     synchronize(tr.device)
     stats.prefill_s = time.perf_counter() - start
 
     produced = torch.empty((len(prompts), max_new_tokens), dtype=torch.long, device=tr.device)
     produced[:, 0] = next_tokens
+    token_logprobs = torch.zeros((len(prompts), max_new_tokens), dtype=torch.float32) if return_logprobs else None
+    if return_logprobs:
+        token_logprobs[:, 0] = chosen_logprob(logits, next_tokens).cpu()
     done = torch.isin(next_tokens, eos)
     n_steps = 1
     steps = range(1, max_new_tokens)
@@ -153,6 +162,8 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampl
         logits = decode_step(tr, cache, next_tokens)
         next_tokens = pick_tokens(logits, sampler, generator)
         produced[:, step] = next_tokens
+        if return_logprobs:
+            token_logprobs[:, step] = chosen_logprob(logits, next_tokens).cpu()
         done |= torch.isin(next_tokens, eos)
         synchronize(tr.device)
         stats.step_s.append(time.perf_counter() - start)
@@ -160,13 +171,21 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampl
 
     tokens, finished = trim_at_eos(produced[:, :n_steps], eos_token_ids)
     stats.new_tokens = sum(len(row) for row in tokens)
-    return GenerationResult(tokens=tokens, stats=stats, finished=finished)
+    logprobs = None
+    if return_logprobs:
+        logprobs = [float(token_logprobs[row, : len(toks)].sum()) for row, toks in enumerate(tokens)]
+    return GenerationResult(tokens=tokens, stats=stats, finished=finished, logprobs=logprobs)
+
+
+def chosen_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, V), (B,) -> (B,): log softmax(logits)[token], in float32."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 def pick_tokens(logits: torch.Tensor, sampler, generator) -> torch.Tensor:
     """(B, V) -> (B,): greedy argmax without a sampler, else the sampler's draw."""
     if sampler is None:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     return sampler.sample(logits, generator)
 
 

@@ -267,28 +267,24 @@ def expand_counts(n, n_prompts: int) -> list[int]:
     return counts
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def generate_shared(model, prompts: list[list[int]], n, *, max_new_tokens: int = 64, sampler=None,
                     generator=None, eos_token_ids: list[int] | None = None, shared: bool = True,
                     progress: bool = False) -> SampleResult:
     """Sample n continuations of each prompt, prefilling each prompt once (shared=True).
 
     prompts: P token lists; n: int or P ints; generator: one torch.Generator or one per row (B = sum n).
-    The loop is `engine.generate`'s (same sampler calls in the same order, same stopping), so with the same
-    per-row generators the tokens equal `engine.generate(prompts repeated n times)`. shared=False runs the
-    same loop on a plain KVCache with every prompt repeated (the unshared reference, also with log-probs).
+    The decode loop is `engine.generate`'s, started from our own prefill, so with the same per-row
+    generators the tokens equal `engine.generate(prompts repeated n times)`. shared=False prefills every
+    repeated prompt into a plain KVCache (the unshared reference, also with log-probs).
     """
     from decodelab import engine
 
     engine.validate_generation_args(prompts, max_new_tokens)
     counts = expand_counts(n, len(prompts))
     tr = engine.as_transformer(model)
-    if eos_token_ids is None:
-        eos_token_ids = getattr(model, "eos_token_ids", None) or []
-    eos = torch.tensor(eos_token_ids, dtype=torch.long, device=tr.device)
     row_prompt = [p for p, count in enumerate(counts) for _ in range(count)]
-    batch = len(row_prompt)
-    stats = engine.DecodeStats(batch_size=batch, prompt_tokens=sum(len(prompts[p]) for p in row_prompt))
+    rows = [prompts[p] for p in row_prompt]
 
     engine.synchronize(tr.device)
     start = time.perf_counter()
@@ -297,46 +293,15 @@ def generate_shared(model, prompts: list[list[int]], n, *, max_new_tokens: int =
         cache = SharedPrefixKVCache.fork(prefix_cache, counts, max_new_tokens)
         logits = logits[cache.row_prompt]
     else:
-        cache, logits = engine.prefill(tr, [prompts[p] for p in row_prompt], max_new_tokens=max_new_tokens)
-    next_tokens = engine.pick_tokens(logits, sampler, generator)
+        cache, logits = engine.prefill(tr, rows, max_new_tokens=max_new_tokens)
     engine.synchronize(tr.device)
-    stats.prefill_s = time.perf_counter() - start
-
-    produced = torch.empty((batch, max_new_tokens), dtype=torch.long, device=tr.device)
-    token_logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=tr.device)
-    produced[:, 0] = next_tokens
-    token_logprobs[:, 0] = _chosen_logprob(logits, next_tokens)
-    done = torch.isin(next_tokens, eos)
-    n_steps = 1
-    steps = range(1, max_new_tokens)
-    if progress:
-        from tqdm.auto import tqdm
-
-        steps = tqdm(steps, desc=f"decode B={batch}{' shared' if shared else ''}", leave=False)
-    for step in steps:
-        if bool(done.all()):
-            break
-        start = time.perf_counter()
-        logits = engine.decode_step(tr, cache, next_tokens)
-        next_tokens = engine.pick_tokens(logits, sampler, generator)
-        produced[:, step] = next_tokens
-        token_logprobs[:, step] = _chosen_logprob(logits, next_tokens)
-        done |= torch.isin(next_tokens, eos)
-        engine.synchronize(tr.device)
-        stats.step_s.append(time.perf_counter() - start)
-        n_steps += 1
-
-    tokens, finished = engine.trim_at_eos(produced[:, :n_steps], eos_token_ids)
-    stats.new_tokens = sum(len(row) for row in tokens)
-    sums = token_logprobs.cumsum(dim=1)
-    logprobs = [float(sums[b, len(row) - 1]) for b, row in enumerate(tokens)]
-    return SampleResult(tokens=tokens, logprobs=logprobs, finished=finished, row_prompt=row_prompt, stats=stats,
-                        kv_bytes=cache.used_nbytes())
-
-
-def _chosen_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(B, V), (B,) -> (B,) log softmax(logits)[token] in float32."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    prefill_s = time.perf_counter() - start
+    result = engine.generate(model, rows, max_new_tokens=max_new_tokens, sampler=sampler, generator=generator,
+                             eos_token_ids=eos_token_ids, progress=progress, prefilled=(cache, logits),
+                             return_logprobs=True)
+    result.stats.prefill_s += prefill_s
+    return SampleResult(tokens=result.tokens, logprobs=result.logprobs, finished=result.finished,
+                        row_prompt=row_prompt, stats=result.stats, kv_bytes=cache.used_nbytes())
 
 
 def kv_bytes_per_token(model) -> int:
