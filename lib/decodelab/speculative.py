@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decodelab.drafters import DraftContext, Drafter
-from decodelab.engine import as_transformer, decode_step, pad_prompts, synchronize, verify_step
+from decodelab.engine import as_transformer, pad_prompts, synchronize, verify_step
 
 K_CHOICES = (0, 1, 2, 4, 8)  # draft lengths the adaptive policy chooses from (0 = a plain decode step)
 

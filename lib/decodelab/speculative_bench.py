@@ -1,0 +1,212 @@
+"""Experiments around `decodelab.speculative`: workloads, step-time calibration, the method grid, and
+transformers side by side. Notebook 01 calls these; the decoding itself lives in `speculative`.
+
+Timing on a shared machine is noisy (other processes steal whole time slices), and noise only ever
+adds time. So every measurement here repeats and keeps the *minimum*, and runs being compared are
+interleaved (plain, A, B, plain, A, B, ...) so a burst of background load hits every method alike.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from decodelab.engine import as_transformer, synchronize, verify_step
+from decodelab.speculative import SpecStats, generate, prefill
+
+# ----------------------------------------------------------------------------------------------
+# workloads
+
+
+def load_workloads(path=None, categories=None) -> list[dict]:
+    """data/spec_workloads.jsonl rows {id, category, source, prompt}, optionally of some categories."""
+    path = Path(path) if path is not None else Path(__file__).resolve().parents[2] / "data" / "spec_workloads.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if categories is not None:
+        known = sorted({r["category"] for r in rows})
+        unknown = sorted(set(categories) - set(known))
+        if unknown:
+            raise ValueError(f"categories={list(categories)!r}: {unknown} unknown; allowed: {known}")
+        rows = [r for r in rows if r["category"] in categories]
+    return rows
+
+
+def workload_prompts(tokenizer, items: list[dict], batch_size: int, *, offset: int = 0) -> list[list[int]]:
+    """batch_size chat-formatted prompt token lists, cycling through items (ragged lengths)."""
+    from decodelab.tasks import chat_prompt_ids
+
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": items[(offset + i) % len(items)]["prompt"]}])
+            for i in range(batch_size)]
+
+
+# ----------------------------------------------------------------------------------------------
+# calibration: measured step times for the roofline fit
+
+
+@torch.inference_mode()
+def measure_step_times(model, batch_sizes, n_tokens=(1, 2, 3, 5, 9), *, context: int = 256, repeats: int = 5,
+                       max_tokens: int = 0, layers=None, progress: bool = False) -> list[dict]:
+    """Time forward steps of n tokens per row at each batch size with `context` cached positions.
+    max_tokens > 0 skips points with batch * n > max(max_tokens, 2 * batch) (n = 1, 2 always run).
+
+    Repeats are interleaved over the n of one batch (n=1, 2, 3, ..., n=1, 2, 3, ...) and each point keeps
+    the minimum: background load only adds time, so the minimum is the machine's own step time, and
+    interleaving keeps a burst of load from landing on one n only. The cache is filled by cropping (its
+    contents are zeros, which costs the same as real keys), so no prefill is paid.
+    -> rows {batch, n_tokens, context, seconds (min of repeats), seconds_median}.
+    """
+    import statistics
+
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an int >= 1")
+    tr = as_transformer(model)
+    n_layers = None if layers is None else len(layers)
+    batches = list(batch_sizes)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc="calibrate", leave=False)
+    rows = []
+    for b in batches:
+        ns = [n for n in n_tokens if not max_tokens or b * n <= max(max_tokens, 2 * b)]
+        cache = tr.new_cache(b, context + max(n_tokens) + 1, n_layers=n_layers)
+        base = torch.full((b,), context, dtype=torch.long, device=tr.device)
+        tokens = {}
+        for n in ns:
+            gen = torch.Generator(device=tr.device).manual_seed(b * 100 + n)
+            tokens[n] = torch.randint(3, tr.vocab_size, (b, n), device=tr.device, generator=gen)
+        times = {n: [] for n in ns}
+        for rep in range(repeats + 1):  # round 0 warms up
+            for n in ns:
+                cache.crop(base)
+                synchronize(tr.device)
+                start = time.perf_counter()
+                verify_step(tr, cache, tokens[n], layers=layers)
+                synchronize(tr.device)
+                if rep:
+                    times[n].append(time.perf_counter() - start)
+        rows += [{"batch": b, "n_tokens": n, "context": context, "seconds": min(times[n]),
+                  "seconds_median": statistics.median(times[n])} for n in ns]
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the batch x drafter x k grid
+
+
+def _row(stats: SpecStats, **labels) -> dict:
+    d = stats.as_dict()
+    steps_with_drafts = [k for k in stats.step_k if k > 0]
+    d["draft_s_per_token"] = d["draft_s"] / sum(steps_with_drafts) if steps_with_drafts else 0.0
+    d["acceptance"] = stats.acceptance_per_position
+    d["context"] = stats.prompt_tokens / stats.batch_size + stats.new_tokens / stats.batch_size / 2
+    return {**labels, **d}
+
+
+def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_new_tokens: int, sampler=None,
+                seed: int = 0, eos_token_ids=None, repeats: int = 1) -> list[dict]:
+    """Run plain decoding and each method on one shared prefill of `prompts`, `repeats` interleaved rounds.
+
+    methods: (drafter_name, make_drafter() -> Drafter, k: int or make_policy(batch) -> AdaptivePolicy).
+    Each round runs plain, method 1, method 2, ... in turn (the order rotated by one per round); each
+    method keeps its fastest round (least decode time: background load only slows a run down).
+    -> one row per method (+ "plain" first) with
+    SpecStats fields of that round, `speedup` = decode tokens/s over plain's fastest round, `repeats`,
+    and `tokens` (new tokens per row, to check greedy equality; identical across rounds when greedy).
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an int >= 1")
+    pre = prefill(model, prompts, max_new_tokens=max_new_tokens)
+    B = len(prompts)
+
+    def one(drafter, k):
+        gen = torch.Generator(device=as_transformer(model).device).manual_seed(seed)
+        return generate(model, drafter=drafter, k=k, max_new_tokens=max_new_tokens, sampler=sampler,
+                        generator=gen, eos_token_ids=eos_token_ids, prefilled=pre)
+
+    runs = [("plain", lambda: None, 0)] + list(methods)
+    best: list = [None] * len(runs)
+    for rnd in range(repeats):
+        # rotate the order each round so no method always runs first after the prefill (or after another)
+        for i in [(rnd + j) % len(runs) for j in range(len(runs))]:
+            _, make, k = runs[i]
+            res = one(make(), k(B) if callable(k) else k)
+            if best[i] is None or res.stats.decode_s < best[i].stats.decode_s:
+                best[i] = res
+    plain_tps = best[0].stats.decode_tokens_per_s
+    return [_row(res.stats, batch=B, drafter=name, k="adaptive" if callable(k) else k, repeats=repeats,
+                 speedup=res.stats.decode_tokens_per_s / plain_tps, tokens=res.tokens)
+            for (name, _, k), res in zip(runs, best)]
+
+
+def greedy_match(model, prompts: list[list[int]], drafters: dict, *, ks=(1, 4), max_new_tokens: int = 16) -> dict:
+    """{drafter: bool}: greedy speculative output == plain greedy (engine.generate), token for token."""
+    from decodelab.engine import generate as plain_generate
+
+    ref = plain_generate(model, prompts, max_new_tokens=max_new_tokens).tokens
+    return {name: all(generate(model, prompts, make(), k=k, max_new_tokens=max_new_tokens).tokens == ref for k in ks)
+            for name, make in drafters.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers side by side
+
+HF_NGRAM_SIZE = 2  # transformers' prompt lookup default (`max_matching_ngram_size`): ours matches it here
+
+
+def hf_side_by_side(model, prompts: list[list[int]], *, k: int, max_new_tokens: int, draft=None,
+                    repeats: int = 1, ngram_size: int = HF_NGRAM_SIZE) -> list[dict]:
+    """Batch 1, greedy: transformers plain / prompt lookup / assisted generation next to ours.
+
+    Both sides draft up to k tokens and match n-grams of at most `ngram_size` tokens (transformers'
+    `max_matching_ngram_size`) and copy after the n-gram's earliest occurrence. Each side does its own
+    prefill inside the timed region. The runs of one
+    prompt are interleaved over `repeats` rounds (hf plain, hf ngram, ..., ours plain, ours ngram, ...)
+    and each keeps its fastest round.
+    -> rows {impl, method, prompt, tokens_per_s (prefill included), seconds, new_tokens, same_as_plain}.
+    draft: a LoadedModel for `assistant_model=` and our ModelDrafter (None: skip that pair).
+    """
+    from decodelab.drafters import ModelDrafter, NGramDrafter
+
+    hf, device = model.hf_model, model.device
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], device=device)
+        hf_runs = {"plain": {}, "ngram": {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": ngram_size}}
+        if draft is not None:
+            # constant k and no confidence cut-off: the same algorithm as ours (transformers' defaults adapt k)
+            hf_runs["draft_model"] = {"assistant_model": draft.hf_model, "num_assistant_tokens": k,
+                                      "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+        ours = {"plain": (lambda: None, 0), "ngram": (lambda: NGramDrafter(max_ngram=ngram_size, match="earliest"), k)}
+        if draft is not None:
+            ours["draft_model"] = (lambda: ModelDrafter(draft, model), k)
+
+        def run_hf(extra):
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=model.eos_token_ids,
+                                  pad_token_id=model.tokenizer.pad_token_id, **extra)
+            return out[0, len(prompt):].tolist()
+
+        def run_ours(make, kk):
+            return generate(model, [prompt], make(), k=kk, max_new_tokens=max_new_tokens).tokens[0]
+
+        calls = [("hf", m, lambda e=e: run_hf(e)) for m, e in hf_runs.items()]
+        calls += [("ours", m, lambda mk=mk, kk=kk: run_ours(mk, kk)) for m, (mk, kk) in ours.items()]
+        best: dict = {}
+        for _ in range(repeats):
+            for impl, method, call in calls:
+                synchronize(device)
+                start = time.perf_counter()
+                new = call()
+                synchronize(device)
+                seconds = time.perf_counter() - start
+                if (impl, method) not in best or seconds < best[impl, method][0]:
+                    best[impl, method] = (seconds, new)
+        ref = best["hf", "plain"][1]
+        for (impl, method), (seconds, new) in best.items():
+            rows.append({"impl": impl, "method": method, "prompt": i, "tokens_per_s": len(new) / seconds,
+                         "seconds": seconds, "new_tokens": len(new), "same_as_plain": new == ref})
+    return rows
