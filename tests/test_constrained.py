@@ -135,3 +135,34 @@ def test_field_two_sample_identical_samples_have_zero_tv():
 def test_extract_json_finds_object_in_prose():
     assert C.extract_json('Sure! ```json\n{"a": 1}\n```') == {"a": 1}
     assert C.extract_json("no json here") is None
+
+
+def test_rows_with_their_own_generators_do_not_depend_on_the_batch(engines, tok, tiny49k):
+    items = C.schema_items(SUITE[:3], tok)
+    sampler = Sampler(SamplerConfig(temperature=1.0))
+    seeds = [11, 12, 13]
+    batch = C.generate(tiny49k, [i["prompt"] for i in items], [i["constraint"] for i in items], engines["llguidance"],
+                       max_new_tokens=40, sampler=sampler, generator=[torch.Generator().manual_seed(s) for s in seeds])
+    for row, (item, seed) in enumerate(zip(items, seeds)):
+        single = C.generate(tiny49k, [item["prompt"]], item["constraint"], engines["llguidance"], max_new_tokens=40,
+                            sampler=sampler, generator=[torch.Generator().manual_seed(seed)])
+        assert batch.tokens[row] == single.tokens[0]
+
+
+def test_outputs_cut_by_max_new_tokens_count_as_truncated_not_invalid(engines, tok, tiny49k):
+    items = C.schema_items(SUITE[:2], tok)
+    outs = C.sample_schemas(tiny49k, tok, items, engines["xgrammar"], n_samples=3,
+                            sampler=Sampler(SamplerConfig(temperature=1.0)), seed=0, max_new_tokens=3)
+    assert all(o["n"] == 3 and o["truncated"] == 3 and o["valid"] == 0 for o in outs)
+    rows = [{"engine": "xgrammar", "n": 3, "valid": 0, "truncated": 3, "unsupported": False},
+            {"engine": "llguidance", "n": 4, "valid": 2, "truncated": 2, "unsupported": False},
+            {"engine": "unconstrained", "n": 4, "valid": 1, "truncated": 2, "unsupported": False}]
+    rates = C.validity_rates(rows)
+    assert rates["llguidance"] == 1.0 and rates["xgrammar"] != rates["xgrammar"]  # nan: nothing finished
+    assert rates["unconstrained"] == 0.25  # free sampling that ran out of budget counts as not valid
+
+
+def test_first_object_closed_only_when_the_first_brace_parses():
+    assert C._first_object_closed('Sure: {"a": {"b": 1}} and more')
+    assert not C._first_object_closed('{"a": {"b": 1}')
+    assert not C._first_object_closed("no braces }")

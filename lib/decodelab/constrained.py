@@ -28,7 +28,7 @@ from decodelab.masks import (BatchMasker, replay_mask_times, Constraint, Constra
 
 JUMP_FORWARD = ("off", "tokens", "retokenize")
 __all__ = ["Constraint", "ConstraintError", "UnsupportedConstraint", "make_engine", "generate", "validate_output",
-           "ConstrainedResult", "JUMP_FORWARD"]
+           "ConstrainedResult", "JUMP_FORWARD", "sample_schemas", "sample_free", "validity_study", "validity_rates"]
 
 
 @dataclass
@@ -81,7 +81,8 @@ def generate(model, prompts: list[list[int]], constraint: Constraint | list[Cons
              tokenizer=None) -> ConstrainedResult:
     """Constrained batched decoding. constraint: one for all rows or one per row.
 
-    sampler: decodelab.sampling.Sampler (None = greedy); generator: torch.Generator (or one per row).
+    sampler: decodelab.sampling.Sampler (None = greedy); generator: torch.Generator (or a list, one per row:
+    then each row's draws do not depend on the other rows). Rows leave the batch once they finish.
     tokenizer: needed to decode texts and for jump_forward="retokenize" (default: engine.tokenizer).
     Raises ConstraintError / UnsupportedConstraint before generation if a constraint does not compile.
     """
@@ -102,18 +103,22 @@ def generate(model, prompts: list[list[int]], constraint: Constraint | list[Cons
     synchronize(tr.device)
     start = time.perf_counter()
     # slack for jump-forward: a row may append up to max_new_tokens in one forward
-    cache, logits = prefill(tr, prompts, max_new_tokens=max_new_tokens, extra=max_new_tokens + 1)
+    extra = max_new_tokens + 1 if jump_forward != "off" else 0
+    cache, logits = prefill(tr, prompts, max_new_tokens=max_new_tokens, extra=extra)
     synchronize(tr.device)
     result = ConstrainedResult([[] for _ in prompts], [], [False] * batch, [], 0, 0, prefill_s=time.perf_counter() - start)
     done = [False] * batch
+    rows = list(range(batch))  # original row of each cache / logits row (finished rows are dropped)
     while True:
-        alive = [r for r in range(batch) if not done[r]]
+        alive = [r for r in rows if not done[r]]
         start = time.perf_counter()
         bitmask = masker.fill(alive)
+        if len(rows) < batch:
+            bitmask = bitmask[torch.tensor(rows)]
         masked = apply_bitmask(logits.float(), bitmask.to(logits.device))
         result.mask_s.append(time.perf_counter() - start)
-        picked = pick_tokens(masked, sampler, generator).tolist()
-        pending: list[list[int]] = [[] for _ in range(batch)]
+        picked = dict(zip(rows, pick_tokens(masked, sampler, _rows_of(generator, rows, batch)).tolist()))
+        pending: dict[int, list[int]] = {r: [] for r in rows}
         for r in alive:
             matcher = masker.matchers[r]
             if not matcher.accept(picked[r]):
@@ -132,11 +137,12 @@ def generate(model, prompts: list[list[int]], constraint: Constraint | list[Cons
                 done[r] = True
         if all(done):
             break
-        width = max(len(p) for p in pending)
-        tokens = torch.zeros(batch, width, dtype=torch.long)
-        for r, p in enumerate(pending):
-            tokens[r, : len(p)] = torch.tensor(p, dtype=torch.long)
-        n_new = torch.tensor([len(p) for p in pending], dtype=torch.long)
+        cache, rows = _drop_finished(cache, rows, done)
+        width = max(len(pending[r]) for r in rows)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, : len(pending[r])] = torch.tensor(pending[r], dtype=torch.long)
+        n_new = torch.tensor([len(pending[r]) for r in rows], dtype=torch.long)
         start = time.perf_counter()
         logits = _forward_last(tr, cache, tokens.to(tr.device), n_new.to(tr.device))
         synchronize(tr.device)
@@ -146,6 +152,28 @@ def generate(model, prompts: list[list[int]], constraint: Constraint | list[Cons
     result.texts = [tokenizer.decode([t for t in row if t not in stops]) if tokenizer is not None else "" for row in result.tokens]
     result.valid = [f and validate_output(c, text) for f, c, text in zip(result.finished, constraints, result.texts)]
     return result
+
+
+def _rows_of(generator, rows: list[int], batch: int):
+    """The generators of the batch's current rows: a per-row list follows its rows; a shared one is shared."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != batch:
+            raise ValueError(f"generator: got a list of {len(generator)} generators, need one per row ({batch})")
+        return [generator[r] for r in rows]
+    return generator
+
+
+def _drop_finished(cache, rows: list[int], done: list[bool]):
+    """Drop finished rows from the batch once they are a quarter of it (-> cache, rows).
+
+    Finished rows would otherwise ride along in every forward until the slowest row ends (on CPU a forward
+    costs about linearly in the rows once the batch is a few dozen). `select` copies the kept rows' cache,
+    so it runs only when a quarter has finished: O(log B) copies per generation.
+    """
+    keep = [i for i, r in enumerate(rows) if not done[r]]
+    if len(rows) - len(keep) < max(1, len(rows) // 4):
+        return cache, rows
+    return cache.select(keep), [rows[i] for i in keep]
 
 
 def _forward_last(tr, cache, tokens: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
@@ -224,49 +252,122 @@ def extract_json(text: str):
     return None
 
 
-def sample_schema(model, tokenizer, item: dict, engine: MaskEngine | None, *, n_samples: int, sampler,
-                  seed: int, max_new_tokens: int = 96, batch_size: int = 16) -> dict:
-    """n samples for one schema, masked by `engine` or unconstrained (engine None).
+def row_seed(seed: int, unit: str, sample: int) -> int:
+    """Generator seed of sample `sample` of `unit` (a schema name): the same under every engine and batch
+    layout, so masked and unconstrained samples are paired and independent of which rows share a batch."""
+    import hashlib
 
-    -> {objects: parsed outputs that validate, valid: count, n, unsupported: bool, texts}. An engine that
-    cannot compile the schema yields unsupported=True and no outputs (never unconstrained text).
+    digest = hashlib.sha256(f"decodelab-constrained-{seed}-{unit}-{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def sample_schema(model, tokenizer, item: dict, engine: MaskEngine | None, *, n_samples: int, sampler,
+                  seed: int, max_new_tokens: int = 96, batch_size: int = 64) -> dict:
+    """n samples for one schema, masked by `engine` or unconstrained (engine None); see `sample_schemas`."""
+    return sample_schemas(model, tokenizer, [item], engine, n_samples=n_samples, sampler=sampler, seed=seed,
+                          max_new_tokens=max_new_tokens, batch_size=batch_size)[0]
+
+
+def sample_schemas(model, tokenizer, items: list[dict], engine: MaskEngine | None, *, n_samples: int, sampler,
+                   seed: int, max_new_tokens: int = 96, batch_size: int = 64) -> list[dict]:
+    """n samples for each schema, masked by `engine` or unconstrained (engine None), as rows of shared batches.
+
+    -> per item {objects: parsed outputs that validate, valid, truncated, n, unsupported, texts}. An output
+    is `truncated` when it ran out of max_new_tokens before it ended (masked: the grammar had not terminated;
+    unconstrained: no EOS and no complete JSON object yet) and does not validate: its validity is unknown, so
+    it is counted apart from the invalid ones. An engine that cannot compile a schema yields unsupported=True
+    and no outputs (never unconstrained text). Row (schema, sample) draws from its own generator
+    (`row_seed`), so results do not depend on batch_size or on which schemas share a batch (up to float
+    rounding of batched matmuls).
     """
     import jsonschema
 
-    from decodelab.engine import generate as free_generate
-
-    generator = torch.Generator().manual_seed(seed)
-    out = {"objects": [], "valid": 0, "n": 0, "unsupported": False, "texts": []}
-    if engine is not None:
-        try:
-            engine.compile(item["constraint"])
-        except UnsupportedConstraint:
-            out["unsupported"] = True
-            return out
-    for start in range(0, n_samples, batch_size):
-        rows = min(batch_size, n_samples - start)
-        prompts = [item["prompt"]] * rows
+    outs = [{"objects": [], "valid": 0, "truncated": 0, "n": 0, "unsupported": False, "texts": []} for _ in items]
+    jobs = []  # (item index, sample)
+    for index, item in enumerate(items):
+        if engine is not None:
+            try:
+                engine.compile(item["constraint"])
+            except UnsupportedConstraint:
+                outs[index]["unsupported"] = True
+                continue
+        jobs += [(index, k) for k in range(n_samples)]
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start: start + batch_size]
+        prompts = [items[i]["prompt"] for i, _ in chunk]
+        generators = [torch.Generator().manual_seed(row_seed(seed, items[i]["name"], k)) for i, k in chunk]
         if engine is None:
-            res = free_generate(model, prompts, max_new_tokens=max_new_tokens, sampler=sampler, generator=generator,
-                                eos_token_ids=list(getattr(model, "eos_token_ids", [tokenizer.eos_token_id])))
-            texts = [tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
+            texts, ended = sample_free(model, tokenizer, prompts, max_new_tokens=max_new_tokens, sampler=sampler,
+                                       generator=generators)
         else:
-            texts = generate(model, prompts, item["constraint"], engine, max_new_tokens=max_new_tokens,
-                             sampler=sampler, generator=generator, tokenizer=tokenizer).texts
-        for text in texts:
+            res = generate(model, prompts, [items[i]["constraint"] for i, _ in chunk], engine,
+                           max_new_tokens=max_new_tokens, sampler=sampler, generator=generators, tokenizer=tokenizer)
+            texts, ended = res.texts, res.finished
+        for (i, _), text, end in zip(chunk, texts, ended):
             value = extract_json(text) if engine is None else _loads(text)
             ok = value is not None
             if ok:
                 try:
-                    jsonschema.validate(value, item["constraint"].spec)
+                    jsonschema.validate(value, items[i]["constraint"].spec)
                 except jsonschema.ValidationError:
                     ok = False
+            out = outs[i]
             out["n"] += 1
             out["texts"].append(text)
+            out["truncated"] += not ok and not end
             if ok:
                 out["valid"] += 1
                 out["objects"].append(value)
-    return out
+    return outs
+
+
+@torch.inference_mode()
+def sample_free(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, sampler, generator,
+                eos_token_ids: list[int] | None = None) -> tuple[list[str], list[bool]]:
+    """Unconstrained sampling that ends a row at EOS or once its reply holds a complete JSON object.
+
+    -> (texts without special tokens, ended). A row ends early when the object opened at the reply's first
+    '{' is closed: `extract_json` reads that object first, so later tokens could not change what is
+    validated, and sampling them (models add prose after the JSON) would only cost forward passes.
+    generator: one torch.Generator or one per row. Finished rows leave the batch (see `_drop_finished`).
+    """
+    from decodelab.engine import as_transformer, pick_tokens, prefill
+
+    tr = as_transformer(model)
+    eos = set(eos_token_ids or getattr(model, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    batch = len(prompts)
+    cache, logits = prefill(tr, prompts, max_new_tokens=max_new_tokens)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    ended, done = [False] * batch, [False] * batch
+    rows = list(range(batch))
+    while True:
+        picked = pick_tokens(logits, sampler, _rows_of(generator, rows, batch)).tolist()
+        for r, token in zip(rows, picked):
+            if done[r]:
+                continue
+            tokens[r].append(token)
+            if token in eos or _first_object_closed(tokenizer.decode(tokens[r], skip_special_tokens=True)):
+                done[r] = ended[r] = True
+            elif len(tokens[r]) >= max_new_tokens:
+                done[r] = True
+        if all(done):
+            break
+        cache, rows = _drop_finished(cache, rows, done)
+        step = torch.tensor([tokens[r][-1] if not done[r] else 0 for r in rows], dtype=torch.long, device=tr.device)
+        logits = tr.forward(step[:, None], cache, logits_at="all")[:, 0]
+    return [tokenizer.decode(t, skip_special_tokens=True) for t in tokens], ended
+
+
+def _first_object_closed(text: str) -> bool:
+    """Does the JSON value starting at the first '{' of text end within it?"""
+    start = text.find("{")
+    if start == -1 or "}" not in text[start:]:
+        return False
+    try:
+        json.JSONDecoder().raw_decode(text, start)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _loads(text: str):
@@ -335,42 +436,51 @@ def decode_step_seconds(model, prompt: list[int], batch_size: int, *, steps: int
 
 
 def validity_study(model, tokenizer, items: list[dict], engines: dict[str, MaskEngine], *, n_samples: int, sampler,
-                   seed: int, max_new_tokens: int = 96) -> dict:
+                   seed: int, max_new_tokens: int = 96, batch_size: int = 64) -> dict:
     """Experiment 3: per schema, n samples masked by each engine and n unconstrained samples.
 
-    -> {validity: rows {schema, engine, n, valid, unsupported}, fields: two-sample rows (first engine vs
-    unconstrained-but-valid), samples: {(schema, engine): outputs}, unsupported: {engine: count}}.
-    The same seed drives every engine, so the comparisons are paired where the paths agree.
+    -> {validity: rows {schema, engine, n, valid, truncated, unsupported}, fields: two-sample rows (first
+    engine vs unconstrained-but-valid), samples: {(schema, engine): outputs}, unsupported: {engine: count},
+    truncated: {engine: count}}. Sample k of a schema uses the same generator seed under every engine, so
+    the comparisons are paired where the paths agree. Rows of all schemas share batches (`sample_schemas`).
     """
+    runs = {"unconstrained": sample_schemas(model, tokenizer, items, None, n_samples=n_samples, sampler=sampler,
+                                            seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size)}
+    for name, engine in engines.items():
+        runs[name] = sample_schemas(model, tokenizer, items, engine, n_samples=n_samples, sampler=sampler, seed=seed,
+                                    max_new_tokens=max_new_tokens, batch_size=batch_size)
     validity, fields, samples = [], [], {}
-    unsupported = {name: 0 for name in engines}
-    for item in items:
-        runs = {"unconstrained": sample_schema(model, tokenizer, item, None, n_samples=n_samples, sampler=sampler,
-                                               seed=seed, max_new_tokens=max_new_tokens)}
-        for name, engine in engines.items():
-            runs[name] = sample_schema(model, tokenizer, item, engine, n_samples=n_samples, sampler=sampler, seed=seed,
-                                       max_new_tokens=max_new_tokens)
-            unsupported[name] += runs[name]["unsupported"]
-        for name, out in runs.items():
+    unsupported = {name: sum(out["unsupported"] for out in runs[name]) for name in engines}
+    truncated = {name: sum(out["truncated"] for out in outs) for name, outs in runs.items()}
+    for index, item in enumerate(items):
+        for name, outs in runs.items():
+            out = outs[index]
             validity.append({"schema": item["name"], "engine": name, "n": out["n"], "valid": out["valid"],
-                             "unsupported": out["unsupported"]})
+                             "truncated": out["truncated"], "unsupported": out["unsupported"]})
             samples[(item["name"], name)] = out
-        reference = next((n for n in engines if not runs[n]["unsupported"]), None)
+        reference = next((n for n in engines if not runs[n][index]["unsupported"]), None)
         if reference is not None:
-            for row in field_two_sample(item["constraint"].spec, runs[reference]["objects"],
-                                        runs["unconstrained"]["objects"], seed=seed):
+            for row in field_two_sample(item["constraint"].spec, runs[reference][index]["objects"],
+                                        runs["unconstrained"][index]["objects"], seed=seed):
                 fields.append({"schema": item["name"], "engine": reference, **row})
-    return {"validity": validity, "fields": fields, "samples": samples, "unsupported": unsupported}
+    return {"validity": validity, "fields": fields, "samples": samples, "unsupported": unsupported,
+            "truncated": truncated}
 
 
 def validity_rates(rows: list[dict]) -> dict[str, float]:
-    """{engine: valid / n over all schemas it supports} (unconstrained under the key 'unconstrained')."""
+    """{engine: share of valid outputs over all schemas it supports} ('unconstrained' for no mask).
+
+    A masked output cut by max_new_tokens before its grammar finished says nothing about the engine (the
+    budget ran out, not the mask), so it leaves the denominator and is reported separately. An
+    unconstrained reply that ran out of tokens without a complete JSON object is what free sampling
+    produced within the budget, so it counts as not valid.
+    """
     totals: dict[str, list[int]] = {}
     for r in rows:
         if not r["unsupported"]:
             t = totals.setdefault(r["engine"], [0, 0])
             t[0] += r["valid"]
-            t[1] += r["n"]
+            t[1] += r["n"] - (r.get("truncated", 0) if r["engine"] != "unconstrained" else 0)
     return {name: (v / n if n else float("nan")) for name, (v, n) in totals.items()}
 
 
