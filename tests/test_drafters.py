@@ -6,7 +6,6 @@ from decodelab import engine
 from decodelab.drafters import (
     DraftContext, Drafter, LayerSkipDrafter, ModelDrafter, NGramDrafter, check_same_tokenizer, truncated_model,
 )
-from decodelab.models import tiny_model
 
 
 def test_ngram_proposes_what_followed_the_latest_occurrence():

@@ -1,7 +1,6 @@
 """Samplers: each filter equals its transformers warper, per-row settings, truncation properties,
 exact inverse-CDF sampling, generator discipline, pipeline order, config validation."""
 
-import math
 
 import pytest
 import torch

@@ -27,7 +27,7 @@ drafter may keep incremental state keyed on how much of each row it has already 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decodelab.drafters import DraftContext, Drafter
-from decodelab.engine import as_transformer, pad_prompts, synchronize, verify_step
+from decodelab.engine import DecodeStats, as_transformer, pad_prompts, synchronize, verify_step
 
 K_CHOICES = (0, 1, 2, 4, 8)  # draft lengths the adaptive policy chooses from (0 = a plain decode step)
 
@@ -160,18 +160,14 @@ def prefill(model, prompts: list[list[int]], *, max_new_tokens: int, max_k: int 
 
 
 @dataclass
-class SpecStats:
-    """What one speculative generation measured. Per step: k, draft seconds, verify seconds, wall seconds."""
+class SpecStats(DecodeStats):
+    """What one speculative generation measured: the engine's DecodeStats plus, per step, k, draft seconds
+    and verify seconds, and the acceptance counts."""
 
-    batch_size: int
-    prompt_tokens: int
-    drafter: str
-    prefill_s: float = 0.0
+    drafter: str = "plain"
     step_k: list[int] = field(default_factory=list)
     draft_s: list[float] = field(default_factory=list)
     verify_s: list[float] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
-    new_tokens: int = 0
     row_steps: int = 0  # (active row, step) pairs
     emitted: int = 0  # tokens those row-steps produced before truncation: sum of n_accepted + 1
     reached: list[int] = field(default_factory=lambda: [0] * max(K_CHOICES))  # drafts at position i judged
@@ -188,21 +184,9 @@ class SpecStats:
         return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
 
     @property
-    def decode_s(self) -> float:
-        return sum(self.step_s)
-
-    @property
-    def total_s(self) -> float:
-        return self.prefill_s + self.decode_s
-
-    @property
     def decode_tokens_per_s(self) -> float:
         """New tokens after the first (which every method gets from the prefill) per decode second."""
         return (self.new_tokens - self.batch_size) / self.decode_s if self.decode_s > 0 else float("nan")
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
 
     def as_dict(self) -> dict:
         steps = len(self.step_s)
