@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodelab.transformer import rotate_half
+
 STYLES = ("gloeckle", "deepseek")
 BACKWARD_MODES = ("sequential", "joint", "none")
 
@@ -89,16 +91,12 @@ def build_trunk(*, vocab_size: int, d_model: int, n_layers: int, n_attn_heads: i
         return LlamaForCausalLM(config)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config, attend) -> torch.Tensor:
+    """A Llama decoder layer, (B, T, D) -> (B, T, D): x + Attn(norm(x)), then + MLP(norm(.)).
 
-
-def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config) -> torch.Tensor:
-    """A Llama decoder layer over a whole causal sequence: (B, T, D) -> (B, T, D).
-
-    The same maths as `decodelab.transformer.Transformer` (which the drafter uses with a KV cache):
-    x + Attn(norm(x)), then + MLP(norm(.)); RoPE with cos/sin (B, 1, T, d_head).
+    The same maths as `decodelab.transformer.Transformer`; RoPE with cos/sin (B, 1, T, d_head).
+    attend(q (B, H, T, d), k, v (B, K, T, d)) -> (B, H, T, d) is the attention itself: causal over the
+    sequence in training, through a KV cache when drafting.
     """
     attn = layer.self_attn
     batch, n_tok, _ = x.shape
@@ -108,11 +106,18 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     q = attn.q_proj(y).view(batch, n_tok, n_heads, head_dim).transpose(1, 2)
     k = attn.k_proj(y).view(batch, n_tok, n_kv, head_dim).transpose(1, 2)
     v = attn.v_proj(y).view(batch, n_tok, n_kv, head_dim).transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_kv != n_heads)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    out = attend(q, k, v)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, n_tok, n_heads * head_dim))
     return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config) -> torch.Tensor:
+    """A Llama decoder layer over a whole causal sequence: (B, T, D) -> (B, T, D)."""
+    gqa = config.num_key_value_heads != config.num_attention_heads
+    return decoder_layer(layer, x, cos, sin, config,
+                         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa))
 
 
 class DeepSeekModule(nn.Module):
@@ -310,19 +315,7 @@ def layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cac
 
     cos, sin: (B, 1, T, d_head) for `positions` (B, T); `cache.begin_forward(positions)` must have run.
     """
-    attn = layer.self_attn
-    batch, n_tok, _ = x.shape
-    n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    y = layer.input_layernorm(x)
-    q = attn.q_proj(y).view(batch, n_tok, n_heads, head_dim).transpose(1, 2)
-    k = attn.k_proj(y).view(batch, n_tok, n_kv, head_dim).transpose(1, 2)
-    v = attn.v_proj(y).view(batch, n_tok, n_kv, head_dim).transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    out = cache.attend(slot, q, k, v, positions)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, n_tok, n_heads * head_dim))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return decoder_layer(layer, x, cos, sin, config, lambda q, k, v: cache.attend(slot, q, k, v, positions))
 
 
 class MTPDrafter:
