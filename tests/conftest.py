@@ -27,3 +27,40 @@ def chat_ids(smol):
             add_special_tokens=False).input_ids
         for q in questions
     ]
+
+
+class SmokeRuns:
+    """Each notebook's smoke run, executed at most once per test session into one results root.
+
+    Tests of a notebook's invariants and of the results contract share the run; the report test
+    builds the real report from the same root. A failed run is re-raised to every test asking for it.
+    """
+
+    def __init__(self, root):
+        self.root = root
+        self._done: dict = {}
+
+    def __call__(self, name: str):
+        """The run directory of `name`'s smoke run (executing it the first time)."""
+        from decodelab import runs
+
+        if name not in self._done:
+            try:
+                self._done[name] = runs.execute(name, "smoke", root=self.root, progress=False, log=lambda *_: None)
+            except Exception as error:  # noqa: BLE001 - cached and re-raised to every asker
+                self._done[name] = error
+        outcome = self._done[name]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def metrics(self, name: str) -> dict:
+        import json
+
+        return json.loads((self(name) / "metrics.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def smoke_runs(tmp_path_factory):
+    """`smoke_runs(name)` -> run dir; `smoke_runs.metrics(name)` -> its metrics.json (see SmokeRuns)."""
+    return SmokeRuns(tmp_path_factory.mktemp("smoke-results"))

@@ -67,15 +67,20 @@ def test_profile_exists_and_names_only_declared_parameters(name, profile):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PRESENT)
-def test_smoke_run_writes_the_results_contract(name, tmp_path, monkeypatch):
-    monkeypatch.setenv("DECODELAB_RESULTS", str(tmp_path))
-    run_dir = runs.execute(name, "smoke", progress=False, log=lambda *_: None)
-    assert run_dir.parent == tmp_path / name
+def test_smoke_run_writes_the_results_contract(name, smoke_runs):
+    run_dir = smoke_runs(name)
+    assert run_dir.parent == smoke_runs.root / name
 
     params = load(run_dir / "params.json")
     assert set(params) >= set(profiles.load_profile(runs.params_dir(name), "smoke"))
     metrics = load(run_dir / "metrics.json")
     assert metrics, "metrics.json is empty"
+    goal_rows = metrics.get("goals")
+    assert isinstance(goal_rows, list) and goal_rows, "metrics.json has no goal rows (run.log_goals)"
+    for row in goal_rows:
+        assert {"name", "value", "target", "op", "met"} <= set(row), f"goal row without value/target/op/met: {row}"
+        assert row["met"] in (True, False, None)
+        assert row["met"] is None or row["value"] is not None
     env = load(run_dir / "env.json")
     assert env["status"] == "ok" and env["profile"] == "smoke"
     assert env["packages"]["torch"] and "commit" in env["git"]

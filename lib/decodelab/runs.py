@@ -16,6 +16,7 @@ Inside a notebook::
     run.save_figure(fig, "throughput", caption="...")
     run.save_table(df, "throughput")
     run.log_metrics(greedy_match=True)
+    run.log_goals([Goal.check("speedup_b1", 1.9, ">=", 1.7, label="speedup at batch 1", unit="x")])
 """
 from __future__ import annotations
 
@@ -227,6 +228,19 @@ class Run:
         merged = {**self.metrics, **to_jsonable(metrics)}
         write_json(self.dir / "metrics.json", merged)
         return merged
+
+    def log_goals(self, rows) -> list:
+        """Merge goal rows (`decodelab.goals.Goal`) into metrics.json["goals"] by name; returns all goals."""
+        from decodelab import goals
+
+        rows = list(rows)
+        bad = [row for row in rows if not isinstance(row, goals.Goal)]
+        if bad:
+            raise TypeError(f"log_goals takes Goal rows (decodelab.goals.Goal.check(...)), got {bad[0]!r:.80}")
+        old = self.metrics.get("goals")
+        merged = goals.merge(old if isinstance(old, list) else [], rows)
+        self.log_metrics(goals=merged)
+        return goals.from_rows(merged)
 
 
 def _check_file_name(name: str) -> None:
