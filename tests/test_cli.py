@@ -143,3 +143,26 @@ def test_prepare_prints_where_the_weights_are(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(models, "embedded_model_dir", lambda name=models.DEFAULT_MODEL, **_: tmp_path / name)
     assert cli.main(["prepare"]) == 0
     assert str(tmp_path / models.DEFAULT_MODEL) in capsys.readouterr().out
+
+
+def test_interrupted_run_prints_signal_cell_and_folder_and_exits_128_plus_signal(tiny, monkeypatch, capsys):
+    import signal
+
+    cell = {"index": 11, "of": 25, "execution_count": 9, "first_line": "study = run_study(...)"}
+
+    def interrupted(*args, **kwargs):
+        raise runs.RunInterrupted(signal.SIGTERM, tiny / "tiny" / "run-1", cell)
+
+    monkeypatch.setattr(runs, "execute", interrupted)
+    assert cli.main(["run", "tiny", "--profile", "smoke"]) == 143
+    assert capsys.readouterr().err == (
+        "decodelab run: interrupted by SIGTERM in cell 11 of 25 [9] `study = run_study(...)`; "
+        f"the run directory keeps what it wrote: {tiny / 'tiny' / 'run-1'}\n"
+    )
+    assert runs.RunInterrupted(signal.SIGINT).exit_code == 130
+
+
+def test_list_runs_without_results_says_none(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DECODELAB_RESULTS", str(tmp_path / "empty"))
+    assert cli.main(["list", "--runs"]) == 0
+    assert capsys.readouterr().out == f"runs in {tmp_path / 'empty'}\n  (none)\n"

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 
 import pytest
 
@@ -186,6 +188,12 @@ def test_execute_writes_params_metrics_env_and_notebook(tiny):
     env = json.loads((run_dir / "env.json").read_text())
     assert env["status"] == "ok" and env["profile"] == "smoke" and env["wall_s"] > 0
     assert env["kernel"]["python_executable"]
+    assert env["runner"]["pid"] == os.getpid() and env["runner"]["hostname"] == socket.gethostname()
+    assert runs.effective_status(env) == "ok"
+    load = env["load"]
+    assert set(load) >= {"cores", "before", "after", "peak_1min", "loaded"} and load["cores"] == os.cpu_count()
+    assert load["peak_1min"] >= max(load["before"][0], load["after"][0])
+    assert load["loaded"] is (load["peak_1min"] > load["cores"])
     executed = json.loads((run_dir / "notebook.ipynb").read_text())
     assert any("injected-parameters" in c["metadata"].get("tags", []) for c in executed["cells"])
     # same parameters and seed -> same metrics, in a new directory

@@ -2,6 +2,7 @@
 
     decodelab run quickstart --profile smoke -p batch_sizes=[1,4]
     decodelab list
+    decodelab list --runs [NAME]
     decodelab prepare
     decodelab bench decode [...]
     decodelab report [...]
@@ -16,6 +17,7 @@ EPILOG = """examples:
   decodelab run quickstart --profile smoke
   decodelab run speculation --profile cpu -p batch_sizes=[1,4] -p max_new_tokens=64
   decodelab list
+  decodelab list --runs speculation
 results go to results/<notebook>/<run-id>/ (or $DECODELAB_RESULTS)."""
 
 
@@ -40,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override one parameter, value in YAML (repeatable): -p batch_sizes=[1,3]")
     run.add_argument("--no-progress", action="store_true", help="hide papermill's cell progress bar")
 
-    sub.add_parser("list", help="notebooks, their profiles and parameters with defaults")
+    listing = sub.add_parser(
+        "list", help="notebooks, their profiles and parameters with defaults; --runs: the runs and how each ended",
+    )
+    listing.add_argument("--runs", nargs="?", const="", default=None, metavar="NAME",
+                         help="list the runs in results/ (of notebook NAME only, when given) with their status")
     sub.add_parser("prepare", help="convert the embedded model's weights once and print where they are")
     for name, text in (
         ("bench", "benchmarks: `decodelab bench decode --help`"),
@@ -68,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `decodelab list | head`: the reader left; say nothing more
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def cmd_run(args) -> int:
@@ -79,12 +90,20 @@ def cmd_run(args) -> int:
     except runs.RunFailed as failure:
         print(f"decodelab run: FAILED {failure}", file=sys.stderr)
         return 1
+    except runs.RunInterrupted as stop:
+        print(
+            f"decodelab run: interrupted by {stop.signal_name} in {runs.describe_cell(stop.last_cell)}; "
+            f"the run directory keeps what it wrote: {stop.run_dir}", file=sys.stderr,
+        )
+        return stop.exit_code
     return 0
 
 
 def cmd_list(args) -> int:
     from decodelab import profiles, runs
 
+    if getattr(args, "runs", None) is not None:
+        return list_runs(args.runs or None)
     for name, file in runs.NOTEBOOKS.items():
         path = runs.notebooks_dir() / file
         if not path.exists():
@@ -99,10 +118,68 @@ def cmd_list(args) -> int:
             continue
         width = max((len(p) for p in declared), default=0)
         for param in declared.values():
-            note = f"  # {param.help}" if param.help else ""
+            help_text = "  ".join(filter(None, (param.help, f"({param.allowed_text})" if param.checks else "")))
+            note = f"  # {help_text}" if help_text else ""
             print(f"    {param.name:<{width}} = {param.display}{note}")
         print()
     return 0
+
+
+def list_runs(name: str | None = None) -> int:
+    """`decodelab list --runs [NAME]`: every run folder, oldest first, with how it ended."""
+    from decodelab import provenance, runs
+
+    root = runs.results_root()
+    if name is not None and name not in runs.NOTEBOOKS and not (root / name).is_dir():
+        raise ValueError(
+            f"notebook={name!r} has no runs in {root} and is not registered; allowed: {sorted(runs.NOTEBOOKS)}"
+        )
+    names = [name] if name is not None else sorted(
+        {*runs.NOTEBOOKS, *(p.name for p in root.iterdir() if p.is_dir())} if root.is_dir() else set(runs.NOTEBOOKS)
+    )
+    print(f"runs in {root}")
+    found = 0
+    for each in names:
+        paths = runs.list_runs(each, root=root)
+        if not paths:
+            if name is not None:
+                print(f"{each}: no runs")
+            continue
+        print(f"{each}:")
+        for path in paths:
+            env = runs.read_json(path / "env.json", {})
+            found += 1
+            wall = env.get("wall_s")
+            print("  " + "  ".join(filter(None, (
+                f"{path.name:<30}", f"{runs.effective_status(env):<26}", f"{env.get('profile') or '-':<6}",
+                env.get("started") or "", f"{wall:.1f} s" if isinstance(wall, (int, float)) else "",
+                _load_note(env, provenance), _end_note(env, runs),
+            ))))
+    if not found and name is None:
+        print("  (none)")
+    return 0
+
+
+def _load_note(env: dict, provenance) -> str:
+    load = env.get("load") or {}
+    if load.get("peak_1min") is None:
+        return ""
+    note = f"load peak {load['peak_1min']:g} on {load.get('cores')} cores"
+    return note + " (loaded: timings not comparable)" if provenance.is_loaded(env) else note
+
+
+def _end_note(env: dict, runs) -> str:
+    status = env.get("status")
+    if status == runs.STATUS_INTERRUPTED:
+        signal_name = (env.get("interrupted") or {}).get("signal") or "a signal"
+        return f"by {signal_name} in {runs.describe_cell(env.get('last_cell'))}"
+    if status == runs.STATUS_FAILED:
+        error = env.get("error") or {}
+        what = error.get("kind") or "failed"
+        detail = f": {error.get('ename')}: {error.get('evalue')}" if error.get("ename") else ""
+        where = f" in {runs.describe_cell(env['last_cell'])}" if env.get("last_cell") else ""
+        return f"{what}{where}{detail}"[:200]
+    return ""
 
 
 def cmd_prepare(args) -> int:

@@ -2,11 +2,17 @@
 
 Cheap to call from the runner process: nothing here imports torch (the kernel reports its own torch
 build through `kernel_env`).
+
+Load tags: a run records the load average before and after, and the peak a background sampler saw
+while it ran (`LoadSampler`), as env.json["load"]; a run whose peak 1-minute load exceeded the core
+count is `is_loaded`: its timings are not comparable with a quiet run's.
 """
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import threading
 from pathlib import Path
 
 
@@ -119,3 +125,132 @@ def kernel_env() -> dict:
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+# ---------------------------------------------------------------- the runner process
+def runner_identity() -> dict:
+    """pid, hostname and the process's start time (clock ticks since boot, Linux): enough to tell later
+    whether the process that wrote "running" is still alive, even after its pid is reused."""
+    return {"pid": os.getpid(), "hostname": socket.gethostname(), "start_ticks": process_start_ticks(os.getpid())}
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (start time since boot, in clock ticks), None where unreadable."""
+    fields = _proc_stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from field 3 (state) on, or None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its closing ")".
+    return stat[stat.rfind(")") + 2:].split()
+
+
+def process_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether process `pid` on this host runs (not a zombie; given `start_ticks`, the same process)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        pass
+    except (OSError, OverflowError, TypeError):
+        return False
+    fields = _proc_stat(pid)
+    if fields and fields[0] in ("Z", "X"):  # exited, not yet reaped
+        return False
+    if start_ticks is not None and fields:
+        try:
+            return int(fields[19]) == start_ticks  # else the pid was reused by another process
+        except (IndexError, ValueError):
+            pass
+    return True
+
+
+# ---------------------------------------------------------------- load average
+LOAD_SAMPLE_EVERY_S = 2.0
+
+
+def load_cores() -> int:
+    """Cores the load average is measured against: the machine's (load is machine-wide)."""
+    return os.cpu_count() or 1
+
+
+def load_now() -> list[float] | None:
+    """[1 min, 5 min, 15 min] load average now (/proc/loadavg), None where the OS has none."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def is_loaded(env: dict) -> bool:
+    """Whether a run's env.json says its peak 1-minute load exceeded the core count (timings not
+    comparable). False when the run recorded no load (older runs)."""
+    load = (env or {}).get("load") or {}
+    return bool(load.get("loaded"))
+
+
+class LoadSampler:
+    """Samples the 1-minute load average every `every_s` seconds in a daemon thread while a run executes.
+
+        sampler = LoadSampler().start()   # records `before`
+        ...
+        env["load"] = sampler.stop()      # {"cores", "before", "after", "peak_1min", "loaded", "samples"}
+
+    `summary()` gives the same record so far (for a run still going); the peak includes before/after.
+    """
+
+    def __init__(self, every_s: float = LOAD_SAMPLE_EVERY_S):
+        self.every_s = every_s
+        self.cores = load_cores()
+        self.before: list[float] | None = None
+        self.after: list[float] | None = None
+        self.peak_1min: float | None = None
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> LoadSampler:
+        self.before = load_now()
+        self._note(self.before)
+        self._thread = threading.Thread(target=self._loop, name="decodelab-load-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.every_s + 1)
+        self.after = load_now()
+        self._note(self.after)
+        return self.summary()
+
+    def summary(self) -> dict:
+        with self._lock:
+            peak = self.peak_1min
+            return {
+                "cores": self.cores, "before": self.before, "after": self.after, "peak_1min": peak,
+                "loaded": peak is not None and peak > self.cores, "samples": self.samples,
+                "every_s": self.every_s,
+            }
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._note(load_now())
+
+    def _note(self, load: list[float] | None) -> None:
+        if load is None:
+            return
+        with self._lock:
+            self.samples += 1
+            self.peak_1min = load[0] if self.peak_1min is None else max(self.peak_1min, load[0])

@@ -6,7 +6,10 @@ Layout of one run (a run never overwrites another)::
         notebook.ipynb     the executed notebook (kept, with the error, when a cell fails)
         params.json        every parameter's final value
         metrics.json       the notebook's key numbers (run.log_metrics)
-        env.json           versions, hardware, git commit, profile, times, status ("ok" | "failed" | ...)
+        env.json           versions, hardware, git commit, profile, times, status ("ok" | "failed" |
+                           "interrupted" | "running" | "interactive"), the runner's pid and host,
+                           the load average around the run ("load"), and for a run that did not
+                           finish the last cell it reached ("last_cell") and why ("error" / "interrupted")
         figures/<name>.png + .svg, figures/captions.json
         tables/<name>.csv
 
@@ -20,6 +23,7 @@ Inside a notebook::
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -27,7 +31,11 @@ import math
 import os
 import re
 import secrets
+import signal
+import socket
 import sys
+import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -36,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from decodelab import profiles
-from decodelab.provenance import collect_env, kernel_env, repo_root
+from decodelab.provenance import LoadSampler, collect_env, kernel_env, process_alive, repo_root, runner_identity
 
 # runner name -> notebook file under notebooks/
 NOTEBOOKS = {
@@ -51,6 +59,10 @@ KERNEL_NAME = "decodelab"
 STATUS_OK, STATUS_FAILED, STATUS_RUNNING, STATUS_INTERRUPTED, STATUS_INTERACTIVE = (
     "ok", "failed", "running", "interrupted", "interactive",
 )
+# What `effective_status` says of a run still marked "running" whose runner process is gone.
+STATUS_PROCESS_GONE = "interrupted (process gone)"
+# env.json["error"]["kind"] of a failed run
+ERROR_CELL, ERROR_KERNEL_DIED, ERROR_RUNNER = "cell raised", "kernel died", "runner error"
 
 
 class RunFailed(RuntimeError):
@@ -59,6 +71,28 @@ class RunFailed(RuntimeError):
     def __init__(self, message: str, run_dir: Path):
         super().__init__(message)
         self.run_dir = run_dir
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT (Ctrl-C) or SIGTERM; its env.json says "interrupted" and keeps every file.
+
+    A KeyboardInterrupt, so code that already stops on Ctrl-C stops on SIGTERM too; the command line
+    exits with `exit_code` (130 for SIGINT, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int, run_dir: Path | None = None, last_cell: dict | None = None):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.run_dir = run_dir
+        self.last_cell = last_cell
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 # ---------------------------------------------------------------- where things live
@@ -70,6 +104,33 @@ def notebooks_dir() -> Path:
 def results_root() -> Path:
     """results/ of the checkout, or $DECODELAB_RESULTS."""
     return Path(os.environ.get("DECODELAB_RESULTS") or repo_root() / "results")
+
+
+def check_results_root(root: Path | None = None) -> Path:
+    """The results root (`root`, else $DECODELAB_RESULTS, else results/), made if missing.
+
+    Raises ValueError naming the setting before anything runs when it is a file, lies under a file,
+    cannot be made, or cannot be written.
+    """
+    path = Path(root) if root is not None else results_root()
+    if root is None and os.environ.get("DECODELAB_RESULTS"):
+        setting = f"DECODELAB_RESULTS={os.environ['DECODELAB_RESULTS']!r}"
+    else:
+        setting = f"the results folder {str(path)!r}"
+    fix = "point DECODELAB_RESULTS at a folder you can write (it is made if missing)"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{setting} is a file, not a folder; {fix}")
+    blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"{setting} lies under {str(blocking)!r}, which is a file, not a folder; {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(prefix=".decodelab-write-check-", dir=path)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise ValueError(f"{setting} is not writable ({error.strerror or error}); {fix}") from None
+    return path
 
 
 def check_name(name: str) -> str:
@@ -105,11 +166,16 @@ def new_run_id(prefix: str = "") -> str:
 def new_run_dir(name: str, *, root: Path | None = None, prefix: str = "") -> Path:
     """Create `results/<name>/<new-run-id>/`; never returns a directory that existed before."""
     parent = Path(root or results_root()) / name
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"cannot make the folder {str(parent)!r} for runs of {name!r}: {error.strerror or error}"
+        ) from None
     while True:
         path = parent / new_run_id(prefix)
         try:
-            path.mkdir()
+            path.mkdir()  # atomic: of two runs drawing the same id, one gets FileExistsError and draws again
             return path
         except FileExistsError:
             continue
@@ -287,6 +353,56 @@ def list_runs(name: str, *, status: str | None = None, root: Path | None = None)
     return [path for *_, path in sorted(runs)]
 
 
+def effective_status(env: dict) -> str:
+    """The status a reader should see: env["status"], except that a run still marked "running"
+    whose runner process is gone (checked on the same host only) reads "interrupted (process gone)".
+
+    Values: "ok", "failed", "interrupted", "interrupted (process gone)", "running", "interactive",
+    or "unknown" for an env.json without a status. A run on another host stays "running" (no way to tell).
+    """
+    status = (env or {}).get("status") or "unknown"
+    if status != STATUS_RUNNING:
+        return status
+    runner = env.get("runner") or {}
+    pid = runner.get("pid")
+    if not isinstance(pid, int) or runner.get("hostname") != socket.gethostname():
+        return status
+    return status if process_alive(pid, runner.get("start_ticks")) else STATUS_PROCESS_GONE
+
+
+def last_cell(notebook_path: Path) -> dict | None:
+    """The last cell a run reached, from the executed notebook papermill saves at every cell start:
+    {"index", "of", "execution_count", "first_line", "started"} (index 0-based, counting the injected
+    parameters cell), or None when no cell started or the notebook cannot be read."""
+    try:
+        cells = json.loads(Path(notebook_path).read_text(encoding="utf-8")).get("cells", [])
+    except (OSError, ValueError):
+        return None
+    reached = [
+        (index, cell) for index, cell in enumerate(cells)
+        if (cell.get("metadata", {}).get("papermill") or {}).get("start_time")
+    ]
+    if not reached:
+        return None
+    index, cell = reached[-1]
+    source = cell.get("source", "")
+    source = "".join(source) if isinstance(source, list) else source
+    first = next((line.strip() for line in source.splitlines() if line.strip()), "")
+    return {
+        "index": index, "of": len(cells), "execution_count": cell.get("execution_count"),
+        "first_line": first if len(first) <= 100 else first[:97] + "...",
+        "started": cell["metadata"]["papermill"]["start_time"],
+    }
+
+
+def describe_cell(cell: dict | None) -> str:
+    """'cell 5 of 9 [3] `time.sleep(60)`' for messages and listings."""
+    if not cell:
+        return "before the first cell"
+    count = f" [{cell['execution_count']}]" if cell.get("execution_count") is not None else ""
+    return f"cell {cell['index']} of {cell['of']}{count} `{cell['first_line']}`"
+
+
 def latest_run(name: str, status: str | None = STATUS_OK, *, root: Path | None = None) -> Path | None:
     """The newest run directory of `name` with that status (default "ok"), or None."""
     runs = list_runs(name, status=status, root=root)
@@ -349,58 +465,162 @@ def execute(
 ) -> Path:
     """Run notebook `name` with a profile and overrides into a new run directory; return it.
 
-    Raises ValueError (bad input, nothing written) or RunFailed (the run directory keeps the
-    executed notebook up to the failing cell, params.json, and env.json with status "failed").
+    Raises ValueError (bad input, nothing written), RunFailed (a cell raised or the kernel died; the
+    run directory keeps the executed notebook up to that cell, params.json, and env.json with status
+    "failed" and the cell) or RunInterrupted (SIGINT/SIGTERM: status "interrupted", files kept).
     """
     path, injected, merged = prepare(name, profile, overrides)
+    root = check_results_root(root)
+    kernels_before = _child_pids()
+    # On a signal, stop the kernel first (quietly, before papermill's own shutdown talks to it).
+    with _signals_interrupt(lambda: _stop_processes(_child_pids() - kernels_before, grace_s=0)):
+        return _execute(name, profile, overrides or {}, path, injected, merged, root, progress, log, kernels_before)
+
+
+def _execute(name, profile, overrides, path, injected, merged, root, progress, log, kernels_before) -> Path:
+    import papermill
+    from nbclient.exceptions import DeadKernelError
+    from papermill.exceptions import PapermillExecutionError
+
     run_dir = new_run_dir(name, root=root)
-    write_json(run_dir / "params.json", merged, strict=False)
-    kernel = kernel_name()
-    env = collect_env(
-        name=name, notebook=path.name, profile=profile, overrides=overrides or {}, run_dir=run_dir,
-        command=sys.argv, kernel_name=kernel, started=_now(), status=STATUS_RUNNING,
-    )
-    write_json(run_dir / "env.json", env, strict=False)
-    log(f"decodelab run {name} --profile {profile}: {run_dir}")
+    notebook_out = run_dir / "notebook.ipynb"
+    sampler = LoadSampler().start()
     t0 = time.perf_counter()
 
     def finish(status: str, **fields) -> None:
         env = read_json(run_dir / "env.json", {})  # keep what the kernel added
-        env.update(status=status, finished=_now(), wall_s=round(time.perf_counter() - t0, 3), **fields)
+        env.update(status=status, finished=_now(), wall_s=round(time.perf_counter() - t0, 3),
+                   load=sampler.stop(), **fields)
         write_json(run_dir / "env.json", env, strict=False)
-
-    import papermill
-    from papermill.exceptions import PapermillExecutionError
 
     quiet = _QuietPapermill()
     for logger in QUIET_LOGGERS:
         logging.getLogger(logger).addFilter(quiet)
     try:
+        write_json(run_dir / "params.json", merged, strict=False)
+        kernel = kernel_name()
+        env = collect_env(
+            name=name, notebook=path.name, profile=profile, overrides=overrides, run_dir=run_dir,
+            command=sys.argv, kernel_name=kernel, started=_now(), status=STATUS_RUNNING,
+            runner=runner_identity(), load=sampler.summary(),
+        )
+        write_json(run_dir / "env.json", env, strict=False)
+        log(f"decodelab run {name} --profile {profile}: {run_dir}")
         papermill.execute_notebook(
-            str(path), str(run_dir / "notebook.ipynb"),
+            str(path), str(notebook_out),
             parameters={**injected, "output_dir": str(run_dir)},
             kernel_name=kernel, cwd=str(path.parent), progress_bar=progress,
             log_output=False, request_save_on_cell_execute=True,
         )
+        finish(STATUS_OK)
     except PapermillExecutionError as error:
-        finish(STATUS_FAILED, error={"cell": error.exec_count, "ename": error.ename, "evalue": error.evalue})
+        cell = last_cell(notebook_out)
+        if error.ename == "KeyboardInterrupt":  # the kernel itself was interrupted (SIGINT sent to it)
+            finish(STATUS_INTERRUPTED, last_cell=cell, interrupted={"signal": "SIGINT (kernel)", "time": _now()})
+            raise RunInterrupted(signal.SIGINT, run_dir, cell) from None
+        finish(STATUS_FAILED, last_cell=cell, error={
+            "kind": ERROR_CELL, "cell": error.exec_count, "cell_index": cell and cell["index"],
+            "ename": error.ename, "evalue": error.evalue,
+        })
         trace = _strip_ansi("\n".join(error.traceback or []))
         raise RunFailed(
             f"{name}: cell [{error.exec_count}] failed with {error.ename}: {error.evalue}\n{trace}\n"
             f"the run directory keeps what it wrote: {run_dir}", run_dir,
         ) from None
-    except KeyboardInterrupt:
-        finish(STATUS_INTERRUPTED)
-        raise
-    except Exception as error:  # kernel died, kernel missing, ...
-        finish(STATUS_FAILED, error={"ename": type(error).__name__, "evalue": str(error)})
+    except KeyboardInterrupt as stop:  # RunInterrupted from SIGTERM/SIGINT, or a bare Ctrl-C
+        signum = stop.signum if isinstance(stop, RunInterrupted) else signal.SIGINT
+        _stop_processes(_child_pids() - kernels_before)
+        cell = last_cell(notebook_out)
+        finish(STATUS_INTERRUPTED, last_cell=cell,
+               interrupted={"signal": signal.Signals(signum).name, "time": _now()})
+        raise RunInterrupted(signum, run_dir, cell) from None
+    except DeadKernelError as error:
+        cell = last_cell(notebook_out)
+        finish(STATUS_FAILED, last_cell=cell, error={
+            "kind": ERROR_KERNEL_DIED, "cell": cell and cell["execution_count"], "cell_index": cell and cell["index"],
+            "ename": type(error).__name__, "evalue": str(error),
+        })
+        raise RunFailed(
+            f"{name}: the kernel died in {describe_cell(cell)} (the process was killed or crashed, "
+            f"e.g. out of memory: {error})\nthe run directory keeps what it wrote: {run_dir}", run_dir,
+        ) from None
+    except Exception as error:  # kernel missing, papermill or I/O trouble, ...
+        _stop_processes(_child_pids() - kernels_before)
+        cell = last_cell(notebook_out)
+        finish(STATUS_FAILED, last_cell=cell, error={
+            "kind": ERROR_RUNNER, "cell": cell and cell["execution_count"], "cell_index": cell and cell["index"],
+            "ename": type(error).__name__, "evalue": str(error),
+        })
         raise RunFailed(f"{name}: {type(error).__name__}: {error}\nrun directory: {run_dir}", run_dir) from error
     finally:
         for logger in QUIET_LOGGERS:
             logging.getLogger(logger).removeFilter(quiet)
-    finish(STATUS_OK)
     log(f"ok: {run_dir} ({time.perf_counter() - t0:.1f} s)")
     return run_dir
+
+
+@contextlib.contextmanager
+def _signals_interrupt(on_signal=None):
+    """While a run executes, SIGTERM and SIGINT call `on_signal()` and raise RunInterrupted in the main
+    thread, so the run can mark itself before the process ends; repeats are ignored while it does
+    (outside the main thread, where Python allows no handlers, nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = (signal.SIGINT, signal.SIGTERM)
+
+    def handler(signum, frame):
+        for sig in caught:
+            signal.signal(sig, signal.SIG_IGN)
+        if on_signal is not None:
+            on_signal()
+        raise RunInterrupted(signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in caught}
+    for sig in caught:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _child_pids() -> set[int]:
+    """Live (not zombie) child processes of this process, from /proc (empty where there is none)."""
+    me, children = os.getpid(), set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return children
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
+        if int(ppid) == me and state != "Z":
+            children.add(int(entry))
+    return children
+
+
+def _stop_processes(pids: set[int], grace_s: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s` (0: no wait), to processes this run started (its kernel)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    if grace_s <= 0:
+        return
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pids = pids & _child_pids()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 QUIET_LOGGERS = ("papermill", "papermill.translators")
