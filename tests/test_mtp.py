@@ -173,9 +173,9 @@ def test_drafter_reads_new_hidden_from_context_like_feed():
     fed.observe(hidden, lengths, following)
     via_ctx = mtp.MTPDrafter(model)
     via_ctx.begin(prompts, max_len=32)
-    ctx = DraftContext(tokens=[p + q for p, q in zip(prompts, pending)])
-    ctx.new_hidden, ctx.new_hidden_lengths = hidden, lengths  # the proposed DraftContext extension
-    assert torch.equal(fed.propose(DraftContext(tokens=ctx.tokens), 2).tokens, via_ctx.propose(ctx, 2).tokens)
+    tokens = [p + q for p, q in zip(prompts, pending)]
+    ctx = DraftContext(tokens=tokens, new_hidden=hidden, new_hidden_lengths=lengths)  # what speculative.generate passes
+    assert torch.equal(fed.propose(DraftContext(tokens=tokens), 2).tokens, via_ctx.propose(ctx, 2).tokens)
 
 
 @pytest.mark.parametrize("retrofit", [False, True])
@@ -276,3 +276,66 @@ def test_data_parallel_training_matches_one_process(tmp_path, monkeypatch):
     assert (one["processes"], two["processes"]) == (1, 2)
     assert two["curve"] == pytest.approx(one["curve"], rel=1e-5)
     assert two["eval"]["head_loss"] == pytest.approx(one["eval"]["head_loss"], rel=1e-4)
+
+
+def test_drafter_without_hidden_states_names_what_the_context_lacked():
+    from decodelab.drafters import DraftContext
+
+    drafter = mtp.MTPDrafter(small("gloeckle", n_heads=2))
+    drafter.begin([[1, 2]], max_len=8)
+    with pytest.raises(ValueError, match="new_hidden or ctx.last_hidden"):
+        drafter.propose(DraftContext(tokens=[[1, 2, 3]]), 1)
+
+
+@pytest.mark.parametrize("style", mtp.STYLES)
+def test_one_head_loss_diff_is_exactly_zero(style):
+    assert mtp_train.one_head_loss_diff(small(style, n_heads=1), batch()) == 0.0
+
+
+def test_one_head_loss_diff_refuses_a_multi_head_model():
+    with pytest.raises(ValueError, match="n_heads=2"):
+        mtp_train.one_head_loss_diff(small(n_heads=2), batch())
+
+
+def test_grad_check_is_float32_noise_for_a_correct_backward():
+    assert 0.0 <= mtp_train.grad_check(small("gloeckle", n_heads=3), batch()) <= 1e-5
+
+
+def test_grad_check_reports_the_difference_when_the_sequential_backward_is_broken(monkeypatch):
+    real = mtp_train.mtp_loss
+
+    def broken(model, tokens, *, backward="sequential", hidden=None):  # sequential grads 1.5x too large
+        out = real(model, tokens, backward=backward, hidden=hidden)
+        if backward == "sequential":
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.5)
+        return out
+
+    monkeypatch.setattr(mtp_train, "mtp_loss", broken)
+    model = small("gloeckle", n_heads=3)
+    assert mtp_train.grad_check(model, batch()) > 1e-3
+
+
+def test_training_cost_reports_fastest_interleaved_steps_and_exactness_checks():
+    cost = mtp_train.training_cost(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=2,
+                                   repeats=2)
+    assert [(r["n_heads"], r["backward"]) for r in cost["rows"]] == [(1, "sequential"), (2, "sequential"), (2, "joint")]
+    assert all(r["step_s"] <= r["step_s_max"] and r["repeats"] == 2 for r in cost["rows"])
+    base, seq, joint = cost["rows"]
+    assert cost["step_time_ratio"] == seq["step_s"] / base["step_s"]
+    assert cost["peak_mem_ratio_joint"] == joint["peak_bytes"] / base["peak_bytes"]
+    assert cost["one_head_loss_abs_diff"] == 0.0
+    assert cost["grad_check_max_abs_diff"] <= 1e-5
+    assert cost["cost_measured_at"]["n_heads"] == 2
+
+
+def test_self_spec_benchmark_counts_identical_rows_and_keeps_fastest_runs():
+    model = small("gloeckle", n_heads=3, peaked=True)
+    rows = mtp_train.self_spec_benchmark(model, [[1, 5, 7, 9, 3], [4, 4, 2]], [1, 3], max_new_tokens=8, repeats=2)
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["greedy_match"] is True and r["rows_identical"] == r["batch"]
+        assert r["speedup"] == r["plain_s"] / r["spec_s"]
+        assert r["plain_s"] <= r["plain_s_max"] and r["spec_s"] <= r["spec_s_max"]
+        assert r["plain_tokens_per_s"] == r["batch"] * 8 / r["plain_s"]

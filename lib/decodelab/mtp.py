@@ -328,11 +328,11 @@ class MTPDrafter:
     (more are padding, marked by `lengths`).
 
     The heads attend over every earlier position, so they need the target's state at *every* position
-    it caches, not only the last. A loop that calls `observe` after each target forward (as
-    `self_speculative_generate` does; proposed for `decodelab.speculative.generate`) gets full-quality
-    drafts; so does a DraftContext carrying `new_hidden` (B, T, D) + `new_hidden_lengths` (B,). With
-    only `ctx.last_hidden` (today's generic loop) the drafter observes that one position per step:
-    proposals stay valid, the heads' context has gaps and acceptance drops.
+    it caches, not only the last. Two ways in give them that: a loop that calls `observe` after each
+    target forward (`self_speculative_generate`), or the DraftContext fields `new_hidden` (B, T, D) +
+    `new_hidden_lengths` (B,), which `decodelab.speculative.generate` fills for `needs_hidden` drafters.
+    A loop that sets only `ctx.last_hidden` makes the drafter observe that one position per step:
+    proposals stay valid, but the heads' context has gaps and acceptance drops.
     DeepSeek modules draft with depth 1 only (module 2 would need an unverified draft as input).
     """
 
@@ -390,13 +390,13 @@ class MTPDrafter:
 
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k={k!r} must be an int >= 1")
-        new_hidden = getattr(ctx, "new_hidden", None)  # proposed DraftContext field (see class docstring)
-        if not self._fed and new_hidden is not None:
-            self.observe(new_hidden, ctx.new_hidden_lengths, self._following(ctx.tokens, ctx.new_hidden_lengths,
-                                                                          new_hidden.shape[1]))
-        elif not self._fed:  # inside speculative.generate: only the last position's state is known
+        if not self._fed and ctx.new_hidden is not None:  # DraftContext.new_hidden: every newly cached state
+            self.observe(ctx.new_hidden, ctx.new_hidden_lengths,
+                         self._following(ctx.tokens, ctx.new_hidden_lengths, ctx.new_hidden.shape[1]))
+        elif not self._fed:  # a loop that gives only the last position's state
             if ctx.last_hidden is None:
-                raise ValueError("MTPDrafter needs ctx.last_hidden (needs_hidden=True) or an observe() before propose")
+                raise ValueError("MTPDrafter needs ctx.new_hidden or ctx.last_hidden (needs_hidden=True), "
+                                 "or an observe() before propose; the context carried neither")
             pending = torch.tensor([row[-1] for row in ctx.tokens], device=self.model.device)
             ones = torch.ones(ctx.batch_size, dtype=torch.long, device=self.model.device)
             self.observe(ctx.last_hidden[:, None].to(self.model.trunk.dtype), ones, pending[:, None])

@@ -6,11 +6,13 @@
   backward, since MTP's several backward calls per step don't fit DDP's one-backward hooks).
   `python -m decodelab.mtp_train` (see `main`) is the launchable entry point.
 - `evaluate`: per-head validation loss and top-1 accuracy, and the induction probe.
-- `measure_step`: wall time and peak memory of one forward + backward (CUDA: max_memory_allocated;
-  CPU: the profiler's allocator trace, see `peak_memory_bytes`).
+- `measure_step`: wall time (fastest of repeats) and peak memory of one forward + backward (CUDA:
+  max_memory_allocated; CPU: the profiler's allocator trace, see `peak_memory_bytes`).
 - `save_checkpoint` / `load_checkpoint`: safetensors + JSON in the run directory.
-- experiment steps for notebook 03: `experiment_grid`, `train_and_evaluate`, `training_cost`,
-  `self_spec_benchmark`, `summarize_runs`, `val_loss_metrics`, `head_accuracy_metrics`.
+- experiment steps for notebook 03: `experiment_grid`, `train_and_evaluate`, `training_cost` (with the
+  exactness checks `one_head_loss_diff` and `grad_check`), `self_spec_benchmark`, `summarize_runs`,
+  `val_loss_metrics`, `head_accuracy_metrics`. Timed comparisons interleave their sides on one wall clock
+  and keep the fastest run of each, with the slowest beside it as the spread.
 """
 from __future__ import annotations
 
@@ -218,35 +220,42 @@ def peak_memory_bytes(fn, device: torch.device) -> int:
     return int(max([0, *totals]))
 
 
+def _train_step(model: MTPModel, tokens: torch.Tensor, backward: str):
+    """One forward + backward with the given head-backward order (gradients zeroed, buffers kept)."""
+    def step():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        mtp_loss(model, tokens, backward=backward)
+    return step
+
+
+def _timed(fn, device: torch.device) -> float:
+    """Seconds of fn() on one wall clock, the device synchronized on both sides."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def measure_step(model: MTPModel, tokens: torch.Tensor, *, backward: str = "sequential", repeats: int = 3) -> dict:
-    """Median seconds of one forward + backward, and its peak memory: -> {"step_s", "peak_bytes"}.
+    """Fastest of `repeats` forward + backward steps, and its peak memory: -> {"step_s", "step_s_max", "peak_bytes"}.
 
     Gradients exist before each measured step (a warm-up step allocates them), so peak memory counts
     activations, logits and temporaries, not the parameter gradients every variant shares.
     """
     tokens = tokens.to(model.device)
     model.train()
-
-    def step():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
-        mtp_loss(model, tokens, backward=backward)
-
+    step = _train_step(model, tokens, backward)
     step()  # warm-up: allocates .grad buffers and any lazy state
-    times = []
-    for _ in range(repeats):
-        if tokens.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if tokens.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    times = [_timed(step, tokens.device) for _ in range(repeats)]
     peak = peak_memory_bytes(step, tokens.device)
     model.zero_grad(set_to_none=True)
     model.eval()
-    return {"step_s": sorted(times)[len(times) // 2], "peak_bytes": peak}
+    return {"step_s": min(times), "step_s_max": max(times), "peak_bytes": peak}
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
@@ -369,25 +378,60 @@ def training_cost(*, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
                   style: str = "gloeckle", seed: int = 0, device=None, repeats: int = 3) -> dict:
     """Next-token vs n-head training at the same trunk: step time and peak memory of one fwd + bwd.
 
-    -> {"step_time_ratio": n-head sequential / next-token, "peak_mem_ratio": same for peak memory,
-        "peak_mem_ratio_joint": the naive all-heads backward, "grad_check_max_abs_diff": max |g_seq - g_joint|,
-        "rows": per-variant measurements}.
+    Three variants on one batch: n = 1, n heads with the sequential head backward, n heads with the
+    joint one (the same model as the sequential variant). Their timed steps are interleaved, the order
+    reversed every repeat, and each variant's fastest step is its cost (the slowest is kept as spread).
+    -> {"step_time_ratio": n-head sequential / next-token (fastest steps), "peak_mem_ratio": same for peak
+        memory, "step_time_ratio_joint" / "peak_mem_ratio_joint": the naive all-heads backward,
+        "grad_check_max_abs_diff": max |g_seq - g_joint|, "one_head_loss_abs_diff": |n=1 MTP loss -
+        the trunk's own next-token loss|, "rows": per-variant measurements}.
     """
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
-    rows = []
-    for n, backward in [(1, "sequential"), (n_heads, "sequential"), (n_heads, "joint")]:
-        model = build_model(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n, style=style,
-                            match_params=False, max_len=max(1024, seq_len), seed=seed).to(device)
-        rows.append({"n_heads": n, "backward": backward, **measure_step(model, tokens, backward=backward, repeats=repeats)})
-    model = build_model(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, style=style,
-                        match_params=False, max_len=max(1024, seq_len), seed=seed).to(device)
-    grad_diff = grad_check(model, tokens.to(device))
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator).to(device)
+    models = {n: build_model(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n, style=style,
+                             match_params=False, max_len=max(1024, seq_len), seed=seed).to(device).train()
+              for n in (1, n_heads)}
+    variants = [(1, "sequential"), (n_heads, "sequential"), (n_heads, "joint")]
+    steps = [_train_step(models[n], tokens, backward) for n, backward in variants]
+    for step in steps:
+        step()  # warm-up: .grad buffers and lazy state exist before anything is timed
+    times: list[list[float]] = [[] for _ in variants]
+    for r in range(repeats):
+        order = range(len(variants)) if r % 2 == 0 else reversed(range(len(variants)))
+        for i in order:
+            times[i].append(_timed(steps[i], device))
+    rows = [{"n_heads": n, "backward": backward, "step_s": min(t), "step_s_max": max(t), "repeats": repeats,
+             "peak_bytes": peak_memory_bytes(step, device)}
+            for (n, backward), t, step in zip(variants, times, steps)]
+    n1_diff = one_head_loss_diff(models[1], tokens)
+    grad_diff = grad_check(models[n_heads], tokens)
+    for model in models.values():
+        model.zero_grad(set_to_none=True)
+        model.eval()
     base, seq, joint = rows
     return {"step_time_ratio": seq["step_s"] / base["step_s"], "peak_mem_ratio": seq["peak_bytes"] / base["peak_bytes"],
             "step_time_ratio_joint": joint["step_s"] / base["step_s"],
             "peak_mem_ratio_joint": joint["peak_bytes"] / base["peak_bytes"], "grad_check_max_abs_diff": grad_diff,
-            "rows": rows}
+            "one_head_loss_abs_diff": n1_diff, "cost_measured_at": {"n_heads": n_heads, "d_model": d_model,
+            "n_layers": n_layers, "seq_len": seq_len, "batch_size": batch_size, "vocab_size": vocab_size,
+            "device": device.type, "repeats": repeats}, "rows": rows}
+
+
+@torch.no_grad()
+def one_head_loss_diff(model: MTPModel, tokens: torch.Tensor) -> float:
+    """|n = 1 MTP loss - the trunk's own next-token loss| on tokens (B, T); 0.0 when n = 1 reduces exactly.
+
+    The reference is the textbook loss: cross-entropy of the trunk's logits at positions 0..T-2 against
+    tokens 1..T-1, computed from `model.trunk(input_ids=...)` without any MTP code.
+    """
+    if model.n_heads != 1:
+        raise ValueError(f"one_head_loss_diff needs an n_heads=1 model, got n_heads={model.n_heads}")
+    ours = mtp_loss(model, tokens, backward="none")["head_losses"][0]
+    logits = model.trunk(input_ids=tokens).logits
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                                  tokens[:, 1:].reshape(-1))
+    return abs(ours - float(reference))
 
 
 def grad_check(model: MTPModel, tokens: torch.Tensor) -> float:
@@ -397,34 +441,58 @@ def grad_check(model: MTPModel, tokens: torch.Tensor) -> float:
     seq = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     mtp_loss(model, tokens, backward="joint")
-    diff = max(float((seq[n] - p.grad).abs().max()) for n, p in model.named_parameters() if p.grad is not None)
+    joint = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    if set(seq) != set(joint):
+        raise RuntimeError(f"the two backward orders reached different parameters: {sorted(set(seq) ^ set(joint))}")
+    diff = max(float((seq[n] - joint[n]).abs().max()) for n in joint)
     model.zero_grad(set_to_none=True)
     return diff
 
 
 def self_spec_benchmark(model: MTPModel, prompts: list[list[int]], batch_sizes: list[int], *, max_new_tokens: int,
-                        eos_token_ids: list[int] | None = None, name: str = "mtp") -> list[dict]:
+                        eos_token_ids: list[int] | None = None, name: str = "mtp", repeats: int = 3) -> list[dict]:
     """Self-speculative vs plain greedy decoding of the trunk at each batch size (prompts cycled).
 
+    Both sides get the same prompts, the same `max_new_tokens` and EOS set, and one outer wall clock
+    around the whole call (prefill included); their runs alternate, the order reversed every repeat,
+    and the fastest run of each is its cost. Throughput counts the tokens each side returned.
     -> one dict per batch: {"model", "batch", "heads", "tau", "acceptance" (per draft position),
-    "speedup" (plain seconds / self-spec seconds, prefill included), "greedy_match"}.
+    "speedup" (plain seconds / self-spec seconds, fastest runs), "plain_s", "spec_s" (+ "_max": slowest),
+    "greedy_match" (every row's tokens equal), "rows_identical" (how many rows equal)}.
     """
     from decodelab.engine import generate
     from decodelab.mtp import self_speculative_generate
     from decodelab.transformer import Transformer
 
     tr = Transformer.from_hf(model.trunk)
+    eos = list(eos_token_ids or [])
     rows = []
     for batch in batch_sizes:
         chosen = [prompts[i % len(prompts)] for i in range(batch)]
-        generate(tr, chosen[:1], max_new_tokens=2, eos_token_ids=[])  # warm-up
-        plain = generate(tr, chosen, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids or [])
-        spec = self_speculative_generate(model, chosen, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+        runners = {"plain": lambda: generate(tr, chosen, max_new_tokens=max_new_tokens, eos_token_ids=eos),
+                   "spec": lambda: self_speculative_generate(model, chosen, max_new_tokens=max_new_tokens,
+                                                             eos_token_ids=eos)}
+        generate(tr, chosen[:1], max_new_tokens=2, eos_token_ids=[])  # warm-up, both paths
+        self_speculative_generate(model, chosen[:1], max_new_tokens=2)
+        times: dict[str, list[float]] = {"plain": [], "spec": []}
+        outputs = {}
+        for r in range(repeats):
+            for method in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
+                start = time.perf_counter()
+                outputs[method] = runners[method]()
+                if tr.device.type == "cuda":
+                    torch.cuda.synchronize(tr.device)
+                times[method].append(time.perf_counter() - start)
+        plain, spec = outputs["plain"], outputs["spec"]
+        plain_s, spec_s = min(times["plain"]), min(times["spec"])
+        same = sum(a == b for a, b in zip(spec.tokens, plain.tokens))
         rows.append({"model": name, "batch": batch, "heads": model.n_heads, "tau": spec.stats.tau,
                      "acceptance": spec.stats.acceptance_per_position[:model.n_heads - 1],
-                     "speedup": plain.stats.total_s / spec.stats.total_s,
-                     "plain_tokens_per_s": plain.stats.tokens_per_s, "spec_tokens_per_s": spec.stats.tokens_per_s,
-                     "greedy_match": spec.tokens == plain.tokens})
+                     "speedup": plain_s / spec_s, "plain_s": plain_s, "spec_s": spec_s,
+                     "plain_s_max": max(times["plain"]), "spec_s_max": max(times["spec"]), "repeats": repeats,
+                     "plain_tokens_per_s": sum(map(len, plain.tokens)) / plain_s,
+                     "spec_tokens_per_s": sum(map(len, spec.tokens)) / spec_s,
+                     "greedy_match": same == batch, "rows_identical": same})
     return rows
 
 
