@@ -98,6 +98,25 @@ def test_kl_and_tv_vanish_only_on_equal_distributions():
     assert D.kl(p, {"a": 1.0}) == math.inf
 
 
+def test_kl_of_an_unnormalized_distribution_is_not_clamped_to_zero():
+    # Gibbs' inequality holds for normalized p and q only; a negative KL must stay visible to the checks on it.
+    assert D.kl({"a": 0.5, "b": 0.5}, {"a": 1.0, "b": 1.0}) < 0
+    assert D.kl({"a": 1 / 3, "b": 2 / 3}, {"a": 1 / 3, "b": 2 / 3}) == 0.0
+
+
+def test_unknown_task_name_error_names_the_value_and_the_files_tasks(tmp_path):
+    import json
+
+    path = tmp_path / "tasks.json"
+    path.write_text(json.dumps([{"name": "t", "question": "?", "strings": ["a"]}]), encoding="utf-8")
+    assert [t["name"] for t in D.load_tasks(path)] == ["t"]  # a user file is used whole
+    with pytest.raises(ValueError) as error:
+        D.load_tasks(path, ["yes_no"])
+    assert "yes_no" in str(error.value) and "['t']" in str(error.value) and "tasks.json" in str(error.value)
+    with pytest.raises(ValueError, match="tasks="):
+        D.load_tasks(path, [])
+
+
 def test_too_many_tokenizations_raise_clear_error(tok):
     with pytest.raises(ValueError, match="max_nodes"):
         D.build_trie(["Liechtenstein"], D.token_bytes_table(tok), [2], max_nodes=50)

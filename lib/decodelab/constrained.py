@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from decodelab.jump_forward import forced_tokens, retokenize_forward
-from decodelab.masks import (BatchMasker, replay_mask_times, Constraint, ConstraintError, MaskEngine, UnsupportedConstraint, allocate_bitmask,
-                             apply_bitmask,
-                             make_engine)
+from decodelab.masks import (BatchMasker, Constraint, ConstraintError, MaskEngine, UnsupportedConstraint,
+                             allocate_bitmask, apply_bitmask, make_engine, replay_mask_times)
 
 JUMP_FORWARD = ("off", "tokens", "retokenize")
 __all__ = ["Constraint", "ConstraintError", "UnsupportedConstraint", "make_engine", "generate", "validate_output",
-           "ConstrainedResult", "JUMP_FORWARD", "sample_schemas", "sample_free", "validity_study", "validity_rates"]
+           "ConstrainedResult", "JUMP_FORWARD", "load_schemas", "sample_schemas", "sample_free", "validity_study",
+           "validity_summary", "validity_rates", "mask_cost_study", "mask_overhead_summary", "naive_slowdown"]
 
 
 @dataclass
@@ -198,11 +198,21 @@ def default_schemas_file():
 
 
 def load_schemas(path=None, names: list[str] | None = None) -> list[dict]:
-    """Entries {name, prompt, fixed_keys, schema} from a JSON list; bare schemas get a name and a prompt."""
+    """Entries {name, prompt, fixed_keys, schema} from a JSON list; bare schemas get a name and a prompt.
+
+    names: the schemas to keep, in that order; None = every schema of the file (a user's schemas_file is
+    used whole unless names are given). Every error names the value and what the file holds, and comes
+    before any model work: a missing file, an empty list, an unknown or duplicated name, a malformed schema.
+    """
     from pathlib import Path
 
-    path = Path(path) if path else default_schemas_file()
-    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    from decodelab.distortion import resolve_path
+
+    path = resolve_path(path, name="schemas_file") if path else default_schemas_file()
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"schemas_file={str(path)!r} is not valid JSON: {error}") from None
     if not isinstance(raw, list) or not raw:
         raise ValueError(f"schemas_file={str(path)!r} must hold a non-empty JSON list of schemas")
     entries = []
@@ -211,16 +221,26 @@ def load_schemas(path=None, names: list[str] | None = None) -> list[dict]:
             entry = dict(item)
         else:
             entry = {"name": (item.get("title") if isinstance(item, dict) else None) or f"schema_{index}", "schema": item}
+        try:
+            Constraint.json(entry["schema"], name=str(entry["name"]))
+        except ConstraintError as error:
+            raise ValueError(f"schemas_file={str(path)!r}, entry {index} ({entry['name']!r}): {error}") from None
         entry.setdefault("prompt", "Reply with a JSON object that matches this JSON schema: " + json.dumps(entry["schema"]))
         entry.setdefault("fixed_keys", _has_fixed_keys(entry["schema"]))
         entries.append(entry)
-    if names is not None:
-        by_name = {e["name"]: e for e in entries}
-        unknown = [n for n in names if n not in by_name]
-        if unknown:
-            raise ValueError(f"schemas {unknown!r} are not in {path.name}; allowed: {sorted(by_name)}")
-        entries = [by_name[n] for n in names]
-    return entries
+    by_name = {e["name"]: e for e in entries}
+    if len(by_name) != len(entries):
+        repeated = sorted({e["name"] for e in entries if sum(f["name"] == e["name"] for f in entries) > 1})
+        raise ValueError(f"schemas_file={str(path)!r} names several schemas {repeated!r}; names must be unique")
+    if names is None:
+        return entries
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"schemas={names!r} must be None (every schema of the file) or a non-empty list of "
+                         f"schema names from {str(path)!r}: {list(by_name)}")
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"schemas={unknown!r} are not in schemas_file={str(path)!r}; its schemas: {list(by_name)}")
+    return [by_name[n] for n in names]
 
 
 def _has_fixed_keys(schema) -> bool:
@@ -467,21 +487,38 @@ def validity_study(model, tokenizer, items: list[dict], engines: dict[str, MaskE
             "truncated": truncated}
 
 
-def validity_rates(rows: list[dict]) -> dict[str, float]:
-    """{engine: share of valid outputs over all schemas it supports} ('unconstrained' for no mask).
+def validity_summary(rows: list[dict]) -> list[dict]:
+    """Per engine ('unconstrained' for no mask), over the schemas it supports: one rule for every engine.
 
-    A masked output cut by max_new_tokens before its grammar finished says nothing about the engine (the
-    budget ran out, not the mask), so it leaves the denominator and is reported separately. An
-    unconstrained reply that ran out of tokens without a complete JSON object is what free sampling
-    produced within the budget, so it counts as not valid.
+    -> rows {engine, n, finished, valid, truncated, validity_rate, truncated_rate} (a rate over no outputs is
+    None: not measured). An output cut off by
+    max_new_tokens before it ended (masked: the grammar had not terminated; unconstrained: no EOS and no
+    complete JSON object yet) is neither valid nor invalid: the budget stopped it, not the sampler. So it
+    leaves the denominator of validity_rate = valid / finished, for masked and unconstrained sampling
+    alike, and is reported as truncated_rate = truncated / n. Counting cut-offs as invalid on one side only
+    would charge that side for the budget; counting them as invalid on both would make masked validity a
+    measure of the budget instead of the mask (whose invariant is: every output it finishes is valid).
     """
-    totals: dict[str, list[int]] = {}
+    totals: dict[str, dict] = {}
     for r in rows:
-        if not r["unsupported"]:
-            t = totals.setdefault(r["engine"], [0, 0])
-            t[0] += r["valid"]
-            t[1] += r["n"] - (r.get("truncated", 0) if r["engine"] != "unconstrained" else 0)
-    return {name: (v / n if n else float("nan")) for name, (v, n) in totals.items()}
+        if r["unsupported"]:
+            continue
+        t = totals.setdefault(r["engine"], {"engine": r["engine"], "n": 0, "valid": 0, "truncated": 0})
+        t["n"] += r["n"]
+        t["valid"] += r["valid"]
+        t["truncated"] += r.get("truncated", 0)
+    out = []
+    for t in totals.values():
+        finished = t["n"] - t["truncated"]
+        out.append({**t, "finished": finished, "validity_rate": t["valid"] / finished if finished else None,
+                    "truncated_rate": t["truncated"] / t["n"] if t["n"] else None})
+    return out
+
+
+def validity_rates(rows: list[dict]) -> dict[str, float]:
+    """{engine: valid / finished outputs, None if none finished} over the schemas it supports (the rule:
+    `validity_summary`)."""
+    return {r["engine"]: r["validity_rate"] for r in validity_summary(rows)}
 
 
 def mask_cost_study(engines: dict[str, MaskEngine], items: list[dict], outputs: dict[str, str], tokenizer, *,
@@ -515,9 +552,11 @@ def mask_cost_study(engines: dict[str, MaskEngine], items: list[dict], outputs: 
 
 
 def mask_apply_seconds(vocab_size: int, batch_size: int, *, device="cpu", repeats: int = 20) -> float:
-    """Median wall seconds of applying a (B, W) bitmask to (B, V) float32 logits on `device`."""
-    import statistics
+    """Fastest of `repeats` wall-second timings of applying a (B, W) bitmask to (B, V) float32 logits.
 
+    The minimum, like the decode step it is added to in `mask_overhead_summary`: both are costs, and the
+    fastest repeat is the one least disturbed by whatever else the machine runs.
+    """
     from decodelab.engine import synchronize
 
     device = torch.device(device)
@@ -530,4 +569,78 @@ def mask_apply_seconds(vocab_size: int, batch_size: int, *, device="cpu", repeat
         apply_bitmask(logits, bitmask)
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
+
+
+def mask_overhead_summary(cost_rows: list[dict], step_seconds: dict[int, list[float]],
+                          apply_seconds: dict[int, float]) -> list[dict]:
+    """Mask fill time per token and its overhead on a decode step, per (engine, trajectory).
+
+    cost_rows: `mask_cost_study` rows {engine, trajectory, us}; step_seconds: batch size B -> timed decode
+    steps at B rows (`decode_step_seconds`); apply_seconds: B -> seconds to apply a (B, V) bitmask.
+    -> rows {engine, trajectory, fills, p50_us, p99_us, mean_us, and for each B: overhead_b{B}_mean,
+    overhead_b{B}_p50, overhead_b{B}_p99, step_b{B}_ms}, with
+
+        overhead_b{B}_{stat} = (B * fill_{stat} + apply(B)) / step(B)
+
+    B rows' masks are filled one after another on the CPU, one bitmask application covers the batch, and
+    step(B) is the fastest timed decode step (the least disturbed measure of the model's cost, so the
+    ratio errs high). Judge a goal on the mean: it is what a generation pays per token on average, while
+    p50 hides the slow fills (a grammar state's first visit, free-text fields) that make up much of the total.
+    """
+    import numpy as np
+
+    steps = {b: min(times) for b, times in step_seconds.items()}
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in cost_rows:
+        groups.setdefault((r["engine"], r["trajectory"]), []).append(float(r["us"]))
+    out = []
+    for (engine, trajectory), us in groups.items():
+        stats = {"mean": float(np.mean(us)), "p50": float(np.percentile(us, 50)), "p99": float(np.percentile(us, 99))}
+        row = {"engine": engine, "trajectory": trajectory, "fills": len(us),
+               **{f"{k}_us": v for k, v in stats.items()}}
+        for b, step in steps.items():
+            for k, v in stats.items():
+                row[f"overhead_b{b}_{k}"] = (b * v * 1e-6 + apply_seconds[b]) / step
+            row[f"step_b{b}_ms"] = step * 1e3
+        out.append(row)
+    return out
+
+
+def naive_slowdown(cost_rows: list[dict], reference: str = "xgrammar", naive: str = "naive") -> float | None:
+    """Mean naive fill time / mean `reference` fill time over the grammar states both engines timed.
+
+    The naive engine times only the first `naive_steps` fills of each trajectory, so the reference is
+    averaged over the same (schema, trajectory, step) states, never over all of its own fills.
+    -> None when the two engines share no timed state (e.g. one of them was not run).
+    """
+    times: dict[str, dict[tuple, float]] = {naive: {}, reference: {}}
+    for r in cost_rows:
+        if r["engine"] in times:
+            times[r["engine"]][(r["schema"], r["trajectory"], r["step"])] = float(r["us"])
+    shared = sorted(set(times[naive]) & set(times[reference]))
+    if not shared:
+        return None
+    ref = sum(times[reference][k] for k in shared)
+    return sum(times[naive][k] for k in shared) / ref if ref > 0 else None
+
+
+def overhead_of(summary_rows: list[dict], engine: str, batch_size: int, stat: str = "mean",
+                trajectory: str = "compact") -> float | None:
+    """One engine's mask overhead at `batch_size` from `mask_overhead_summary` rows (None: not measured)."""
+    for row in summary_rows:
+        if row["engine"] == engine and row["trajectory"] == trajectory:
+            return row.get(f"overhead_b{batch_size}_{stat}")
+    return None
+
+
+def overhead_goal(summary_rows: list[dict], engine: str, batch_size: int, *, target: float,
+                  trajectory: str = "compact"):
+    """The goal "mask overhead <= target of a decode step", judged on the mean fill; p50 and p99 in the note."""
+    from decodelab.goals import Goal, format_value
+
+    spread = {s: overhead_of(summary_rows, engine, batch_size, s, trajectory) for s in ("p50", "p99")}
+    note = ", ".join(f"{s} fill: {format_value(v, '%')}" for s, v in spread.items() if v is not None)
+    label = f"{engine} mask overhead per decode step at batch {batch_size} (mean fill, {trajectory} JSON)"
+    value = overhead_of(summary_rows, engine, batch_size, "mean", trajectory)
+    return Goal.check(f"mask_overhead_{engine}_b{batch_size}", value, "<=", target, unit="%", note=note, label=label)

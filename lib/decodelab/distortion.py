@@ -354,7 +354,9 @@ def kl(p: dict[str, float], q: dict[str, float]) -> float:
         if qs <= 0:
             return math.inf
         total += ps * math.log(ps / qs)
-    return max(total, 0.0)
+    # Gibbs: KL >= 0 for distributions that each sum to 1. Only rounding may dip below 0; a clearly negative
+    # sum means p or q is not normalized, and is returned as it is so that a check on KL >= 0 catches it.
+    return 0.0 if -1e-9 < total < 0 else total
 
 
 def tv(p: dict[str, float], q: dict[str, float]) -> float:
@@ -371,19 +373,41 @@ def default_tasks_file():
     return Path(__file__).resolve().parents[2] / "data" / "constrained_tasks.json"
 
 
+def resolve_path(path, *, name: str):
+    """A data file given by a parameter: absolute, or relative to the working directory, else to the
+    repository root (notebooks run with notebooks/ as their working directory, users type paths from the
+    root). Raises ValueError naming the parameter and the places tried when the file is missing."""
+    from pathlib import Path
+
+    given = Path(path)
+    tried = [given] if given.is_absolute() else [Path.cwd() / given, Path(__file__).resolve().parents[2] / given]
+    for candidate in tried:
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"{name}={str(path)!r} is not a file (looked for {', '.join(str(t) for t in tried)})")
+
+
 def load_tasks(path=None, names: list[str] | None = None) -> list[dict]:
     """Task definitions {name, category, question, strings} from `path` (default: the shipped file)."""
     import json
     from pathlib import Path
 
-    path = Path(path) if path else default_tasks_file()
-    tasks = json.loads(path.read_text(encoding="utf-8"))
+    path = resolve_path(path, name="tasks_file") if path else default_tasks_file()
+    try:
+        tasks = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"tasks_file={str(path)!r} is not valid JSON: {error}") from None
+    if not isinstance(tasks, list) or not tasks or not all(isinstance(t, dict) and {"name", "strings"} <= set(t)
+                                                             for t in tasks):
+        raise ValueError(f"tasks_file={str(path)!r} must hold a non-empty JSON list of {{name, question, strings}}")
     if names is None:
         return tasks
     by_name = {t["name"]: t for t in tasks}
+    if not isinstance(names, (list, tuple)) or not names:
+        raise ValueError(f"tasks={names!r} must be a non-empty list of task names from {str(path)!r}: {list(by_name)}")
     unknown = [n for n in names if n not in by_name]
     if unknown:
-        raise ValueError(f"tasks={unknown!r} are not in {path.name}; allowed: {sorted(by_name)}")
+        raise ValueError(f"tasks={unknown!r} are not in tasks_file={str(path)!r}; its tasks: {list(by_name)}")
     return [by_name[n] for n in names]
 
 

@@ -8,7 +8,9 @@ Two ways (see `constrained.generate`, jump_forward=...):
   the tokenizer, since e.g. '"' + ',"age":' tokenizes differently from the two parts. The model never
   chose that tokenization, so later tokens can differ from decoding without jump-forward.
 
-`jump_forward_savings` runs a schema suite greedily with each mode and counts forward passes.
+`jump_forward_savings` runs a schema suite greedily with each mode and counts forward passes;
+`jump_forward_summary` reads both modes' savings off those rows, with how many outputs each mode changed.
+A saving is credited only to a mode that keeps outputs: "tokens" is exact, "retokenize" is not.
 """
 from __future__ import annotations
 
@@ -95,3 +97,26 @@ def saved_fraction(rows: list[dict], mode: str) -> float:
     off = sum(r["forward_passes"] for r in rows if r["mode"] == "off")
     on = sum(r["forward_passes"] for r in rows if r["mode"] == mode)
     return 1.0 - on / off if off else float("nan")
+
+
+def jump_forward_summary(rows: list[dict]) -> dict:
+    """Both modes' savings and what they cost in changed outputs, from `jump_forward_savings` rows.
+
+    -> {schemas, saved_frac: {mode: fraction of forward passes saved}, changed: {mode: schemas whose text
+    differs from mode "off"}, changed_tokens: {mode: schemas whose tokens differ}, valid: {mode: schemas
+    whose output validates}, greedy_identical: every "tokens" output token-for-token equal to "off"
+    (None if that mode was not run)}. The exact mode ("tokens") is the one whose saving can be credited
+    without a caveat; "retokenize" saves more by choosing tokenizations the model did not.
+    """
+    modes = [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "off"]
+    schemas = sorted({r["schema"] for r in rows})
+    by_mode = {m: [r for r in rows if r["mode"] == m] for m in ["off"] + modes}
+    exact = by_mode.get("tokens")
+    return {
+        "schemas": len(schemas),
+        "saved_frac": {m: saved_fraction(rows, m) for m in modes},
+        "changed": {m: sum(not r["same_text"] for r in by_mode[m]) for m in modes},
+        "changed_tokens": {m: sum(not r["same_tokens"] for r in by_mode[m]) for m in modes},
+        "valid": {m: sum(bool(r["valid"]) for r in by_mode[m]) for m in ["off"] + modes},
+        "greedy_identical": None if not exact else all(r["same_tokens"] for r in exact),
+    }
