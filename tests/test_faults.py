@@ -129,6 +129,20 @@ def test_dead_kernel_is_reported_as_kernel_died_with_its_cell(tmp_path, monkeypa
     assert json.loads((run_dir / "metrics.json").read_text()) == {"started": True}
 
 
+@pytest.mark.slow
+def test_bad_input_raised_inside_a_notebook_prints_its_message_without_a_traceback(tmp_path, monkeypatch, capsys):
+    cell = "raise ValueError('schemas=[\\'person\\'] are not in the schemas file; its schemas: [\\'answer\\']')"
+    notebooks = write_notebook(tmp_path, cell)
+    monkeypatch.setenv("DECODELAB_NOTEBOOKS", str(notebooks))
+    monkeypatch.setenv("DECODELAB_RESULTS", str(tmp_path / "results"))
+    assert cli.main(["run", "quickstart", "--profile", "smoke", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "ValueError: schemas=['person'] are not in the schemas file" in err
+    assert "Traceback" not in err and "----> " not in err and "traceback in the executed notebook" in err
+    run_dir, env = only_run(tmp_path / "results")
+    assert env["status"] == "failed" and env["error"]["ename"] == "ValueError"
+
+
 # ---------------------------------------------------------------- a run whose process is gone
 def gone_pid():
     process = subprocess.Popen([sys.executable, "-c", "pass"])

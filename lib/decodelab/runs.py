@@ -522,7 +522,10 @@ def _execute(name, profile, overrides, path, injected, merged, root, progress, l
             "kind": ERROR_CELL, "cell": error.exec_count, "cell_index": cell and cell["index"],
             "ename": error.ename, "evalue": error.evalue,
         })
-        trace = _strip_ansi("\n".join(error.traceback or []))
+        # A ValueError is the library's "bad input" answer: its message says what to change, and a
+        # traceback would only bury it (the executed notebook keeps the full one).
+        trace = ("(traceback in the executed notebook)" if error.ename in INPUT_ERRORS
+                 else _strip_ansi("\n".join(error.traceback or [])))
         raise RunFailed(
             f"{name}: cell [{error.exec_count}] failed with {error.ename}: {error.evalue}\n{trace}\n"
             f"the run directory keeps what it wrote: {run_dir}", run_dir,
@@ -624,6 +627,7 @@ def _stop_processes(pids: set[int], grace_s: float = 3.0) -> None:
 
 
 QUIET_LOGGERS = ("papermill", "papermill.translators")
+INPUT_ERRORS = ("ValueError",)
 
 
 class _QuietPapermill(logging.Filter):
