@@ -200,3 +200,11 @@ def test_execute_writes_params_metrics_env_and_notebook(tiny):
     again = runs.execute("tiny", "smoke", {"names": ["z"]}, progress=False, log=lambda *_: None)
     assert again != run_dir
     assert (again / "metrics.json").read_text() == (run_dir / "metrics.json").read_text()
+
+
+def test_relative_path_overrides_resolve_from_the_callers_directory(tmp_path, monkeypatch):
+    (tmp_path / "mine.json").write_text("[]")
+    monkeypatch.chdir(tmp_path)
+    out = runs.absolute_paths({"schemas_file": "mine.json", "model": "mine.json", "tasks_file": "absent.json"})
+    assert out["schemas_file"] == str((tmp_path / "mine.json").resolve())
+    assert out["model"] == "mine.json" and out["tasks_file"] == "absent.json"

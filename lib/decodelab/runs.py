@@ -450,8 +450,23 @@ def prepare(name: str, profile: str, overrides: dict | None = None) -> tuple[Pat
     profile_values = profiles.load_profile(params_dir(name), profile)
     profiles.validate(profile_values, declared, source=str(profiles.profile_path(params_dir(name), profile)))
     profiles.validate(overrides or {}, declared, source="-p")
-    injected, merged = profiles.resolve(declared, profile_values, overrides or {})
+    injected, merged = profiles.resolve(declared, profile_values, absolute_paths(overrides or {}))
     return path, injected, merged
+
+
+PATH_SUFFIXES = ("_file", "_path", "_dir")
+
+
+def absolute_paths(overrides: dict) -> dict:
+    """-p values of path parameters (`*_file`, `*_path`, `*_dir`) that exist relative to the caller's
+    directory, made absolute: the kernel runs in notebooks/, not where the user typed the command."""
+    out = dict(overrides)
+    for key, value in overrides.items():
+        if key.endswith(PATH_SUFFIXES) and isinstance(value, str) and value and not os.path.isabs(value):
+            candidate = Path.cwd() / value
+            if candidate.exists():
+                out[key] = str(candidate.resolve())
+    return out
 
 
 def execute(
