@@ -190,3 +190,35 @@ def test_shared_prefix_equals_unshared_on_the_embedded_model(smol, chat_ids):
     plain = engine.generate(smol, [p for p in chat_ids[:2] for _ in range(2)], max_new_tokens=8, sampler=sampler,
                             generator=_generators(5, 4))
     assert shared.tokens == plain.tokens
+
+
+# ---------------------------------------------------------------- measured KV bytes
+
+
+def test_storage_bytes_count_a_view_once():
+    from decodelab.shared_prefix import storage_bytes
+
+    base = torch.zeros(4, 10, dtype=torch.float32)
+    assert storage_bytes([base]) == 160
+    assert storage_bytes([base, base[:, :5], base[1]]) == 160  # views of one buffer: the buffer once
+    assert storage_bytes([base, torch.zeros(3, dtype=torch.float64)]) == 160 + 24
+
+
+def test_generate_shared_measures_the_cache_it_decoded_with(tiny):
+    from decodelab.shared_prefix import kv_bytes_per_token
+
+    prompts, per_token = _prompts(), kv_bytes_per_token(tiny)
+    kwargs = dict(max_new_tokens=6, eos_token_ids=[], generator=_generators(2, 6))
+    shared = generate_shared(tiny, prompts, 2, **kwargs)
+    # One prompt buffer (P prompts padded to the longest, prefilled once) + 2 rows x 6 suffix slots per prompt.
+    assert shared.cache_bytes == (len(prompts) * max(map(len, prompts)) + 6 * 6) * per_token
+    plain = generate_shared(tiny, prompts, 2, shared=False, **kwargs)
+    assert plain.cache_bytes == 6 * (max(map(len, prompts)) + 6) * per_token  # six rows, each prompt + suffix
+    assert plain.tokens == shared.tokens
+
+
+def test_return_logprobs_false_leaves_the_tokens_unchanged(tiny):
+    kwargs = dict(max_new_tokens=5, eos_token_ids=[])
+    with_lp = generate_shared(tiny, _prompts(), 2, generator=_generators(4, 6), **kwargs)
+    without = generate_shared(tiny, _prompts(), 2, generator=_generators(4, 6), return_logprobs=False, **kwargs)
+    assert without.tokens == with_lp.tokens and without.logprobs is None and with_lp.logprobs is not None

@@ -233,10 +233,11 @@ def early_stop_table(pools: Sequence[Sequence], truths: Sequence, *, esc_windows
 
     Each problem's pool is replayed in `n_orders` random orders (sample streams); a rule stops somewhere
     in each stream and votes. -> [{method, setting, mean_samples, accuracy, ci_low, ci_high, saved,
-    accuracy_change}] with saved = 1 - mean_samples / pool size and accuracy_change = accuracy minus the
-    first row's (majority over the whole pool, replayed in the same orders).
+    accuracy_change, change_ci_low, change_ci_high}] with saved = 1 - mean_samples / pool size and
+    accuracy_change = accuracy minus the first row's (majority over the whole pool, replayed in the same
+    orders), its interval a paired bootstrap over problems.
     """
-    from decodelab.metrics import bootstrap_ci
+    from decodelab.metrics import bootstrap_ci, paired_bootstrap_diff
 
     rules = {("majority", f"n={min(len(p) for p in pools)}"): lambda a: StopResult(len(a), False, majority_vote(a))}
     for w in esc_windows:
@@ -248,18 +249,32 @@ def early_stop_table(pools: Sequence[Sequence], truths: Sequence, *, esc_windows
     rng = np.random.default_rng(seed)
     orders = [[rng.permutation(len(pool)) for _ in range(n_orders)] for pool in pools]
     pool_size = float(np.mean([len(p) for p in pools]))
-    rows = []
+    rows, reference = [], None
     for (method, setting), rule in rules.items():
         used, correct = np.zeros((len(pools), n_orders)), np.zeros((len(pools), n_orders))
         for i, (pool, truth) in enumerate(zip(pools, truths)):
             for k, order in enumerate(orders[i]):
                 result = rule([pool[j] for j in order])
                 used[i, k], correct[i, k] = result.n_used, result.vote.answer == truth
-        accuracy, low, high = bootstrap_ci(correct.mean(axis=1), seed=seed)
+        per_problem = correct.mean(axis=1)
+        reference = per_problem if reference is None else reference
+        accuracy, low, high = bootstrap_ci(per_problem, seed=seed)
+        change = paired_bootstrap_diff(per_problem, reference, seed=seed)
         rows.append({"method": method, "setting": setting, "mean_samples": float(used.mean()),
                      "accuracy": accuracy, "ci_low": low, "ci_high": high,
-                     "saved": 1.0 - float(used.mean()) / pool_size, "accuracy_change": accuracy - rows[0]["accuracy"]
-                     if rows else 0.0})
+                     "saved": 1.0 - float(used.mean()) / pool_size, "accuracy_change": change["difference"],
+                     "change_ci_low": change["ci_low"], "change_ci_high": change["ci_high"]})
+    return rows
+
+
+def pool_votes(pools: Sequence[Sequence]) -> list[dict]:
+    """The majority vote over each problem's whole pool, with its counts, so a reader (or a test) can check
+    that they add up: answered + no_answer == n_samples. -> [{problem, answer, n_samples, answered, no_answer}]"""
+    rows = []
+    for i, pool in enumerate(pools):
+        vote = majority_vote(list(pool))
+        rows.append({"problem": i, "answer": vote.answer, "n_samples": vote.n_samples,
+                     "answered": int(sum(vote.scores.values())), "no_answer": vote.n_no_answer})
     return rows
 
 
@@ -386,4 +401,80 @@ def check_shared_equals_unshared(model, prompts: list[list[int]], n: int, *, max
         out[f"{label}_equal"] = shared.tokens == plain.tokens
         out[f"{label}_tokens"] = shared.stats.new_tokens
     out["equal"] = out["greedy_equal"] and out["sampled_equal"]
+    return out
+
+
+# ---------------------------------------------------------------- goals and generated findings
+
+SPEEDUP_TARGET = 4.0  # shared vs HF num_return_sequences at the goal point (docs/RESEARCH.md section 5: Hydragen)
+KV_RATIO_TARGET = 0.15  # measured shared / HF cache bytes at the goal point (n = 16: 1/16 of the prompt + suffixes)
+ADAPTIVE_SAVED_TARGET = 0.5  # share of the pool adaptive consistency does not draw (Aggarwal et al.: up to 7.9x)
+ADAPTIVE_CHANGE_TARGET = -0.02  # accuracy change vs the whole-pool majority, judged on its CI lower bound
+
+
+def notebook_goals(goal_point: dict, early_rows: Sequence[dict]) -> list:
+    """Notebook 05's goal rows (`decodelab.goals.Goal`) from `consistency_cost.goal_summary` and
+    `early_stop_table`: speedup over HF num_return_sequences, measured KV bytes ratio, and the first
+    adaptive-consistency setting's samples saved and accuracy change (None = not measured)."""
+    from decodelab.goals import Goal
+
+    at = f"{goal_point['prompt_len']}-token prompt, n = {goal_point['n']}" if goal_point else "no point where HF ran"
+    spread = (f"min of {goal_point['repeats']} interleaved repeats; spread shared {goal_point['shared_spread']:.0%}, "
+              f"HF {goal_point['hf_spread']:.0%}") if goal_point else ""
+    analytic = (f"analytic ratio {goal_point['kv_ratio_vs_hf_analytic']:.3f}" if goal_point else "")
+    adaptive = next((r for r in early_rows if r["method"] == "adaptive_consistency"), None)
+    rule = f"adaptive consistency ({adaptive['setting']})" if adaptive else "adaptive consistency"
+    return [
+        Goal.check("speedup_vs_hf", goal_point.get("speedup_vs_hf"), ">=", SPEEDUP_TARGET, unit="x",
+                   label=f"shared-prefix speedup over HF num_return_sequences ({at})", note=spread),
+        Goal.check("kv_ratio_vs_hf_measured", goal_point.get("kv_ratio_vs_hf_measured"), "<=", KV_RATIO_TARGET,
+                   unit="%", label=f"shared / HF KV cache bytes, measured ({at})", note=analytic),
+        Goal.check("adaptive_samples_saved", adaptive["saved"] if adaptive else None, ">=", ADAPTIVE_SAVED_TARGET,
+                   unit="%", label=f"samples {rule} saves vs the whole pool"),
+        Goal.check("adaptive_accuracy_change", adaptive["change_ci_low"] if adaptive else None, ">=",
+                   ADAPTIVE_CHANGE_TARGET, unit="points", label=f"accuracy change of {rule} (95% CI lower bound)",
+                   estimate=adaptive["accuracy_change"] if adaptive else None,
+                   ci=(adaptive["change_ci_low"], adaptive["change_ci_high"]) if adaptive else None),
+    ]
+
+
+def findings(*, check: dict, greedy_accuracy: float, accuracy_rows: Sequence[dict], early_rows: Sequence[dict],
+             cost_rows: Sequence[dict], goal_point: dict) -> list[str]:
+    """Sentences stating what this run measured, generated from its tables (never typed)."""
+    from decodelab.goals import format_value as fmt
+
+    yes = lambda ok: "equal" if ok else "NOT equal"  # noqa: E731
+    out = [f"Shared-prefix decoding vs unshared decoding, token for token over {check['rows']} rows: greedy "
+           f"{yes(check['greedy_equal'])}, sampled {yes(check['sampled_equal'])}."]
+    by_vote: dict = {}
+    for row in accuracy_rows:
+        by_vote.setdefault(row["vote"], []).append(row)
+    parts = []
+    for vote, rows in by_vote.items():
+        first, last = min(rows, key=lambda r: r["n"]), max(rows, key=lambda r: r["n"])
+        parts.append(f"{vote} vote {fmt(first['accuracy'], '%')} at n = {first['n']} -> {fmt(last['accuracy'], '%')} "
+                     f"at n = {last['n']} (95% CI {fmt(last['ci_low'], '%')}-{fmt(last['ci_high'], '%')}, "
+                     f"{fmt(last['accuracy'] - greedy_accuracy, 'points')} vs greedy)")
+    out.append(f"Greedy accuracy {fmt(greedy_accuracy, '%')}; " + "; ".join(parts) + ".")
+    stops = [f"{r['method']} ({r['setting']}) drew {r['mean_samples']:.1f} samples on average "
+             f"({fmt(r['saved'], '%')} saved), accuracy change {fmt(r['accuracy_change'], 'points')} "
+             f"(95% CI {fmt(r['change_ci_low'], 'points')} to {fmt(r['change_ci_high'], 'points')})"
+             for r in early_rows[1:]]
+    if stops:
+        out.append(f"Against the majority over the whole pool ({early_rows[0]['setting']}): " + "; ".join(stops) + ".")
+    if goal_point:
+        length = goal_point["prompt_len"]
+        seconds = {(r["method"], r["n"]): r["seconds"] for r in cost_rows if r["prompt_len"] == length}
+        ratios = [f"n = {n}: {fmt(seconds[('hf_num_return_sequences', n)] / seconds[('shared', n)], 'x')}"
+                  for n in sorted({n for (_, n) in seconds})
+                  if ("hf_num_return_sequences", n) in seconds and ("shared", n) in seconds]
+        g = goal_point
+        out.append(f"At a {length}-token prompt and n = {g['n']}, shared took {g['shared_seconds']:.3g} s and HF "
+                   f"num_return_sequences {g['hf_seconds']:.3g} s (min of {g['repeats']} interleaved repeats): "
+                   f"{fmt(g['speedup_vs_hf'], 'x')}. HF / shared time by n at this prompt length: {', '.join(ratios)}.")
+        out.append(f"KV cache bytes at that point, measured: shared {g['shared_cache_bytes'] / 2**20:.3g} MiB, HF "
+                   f"{g['hf_cache_bytes'] / 2**20:.3g} MiB (ratio {g['kv_ratio_vs_hf_measured']:.3f}; the analytic "
+                   f"formula gives {g['kv_ratio_vs_hf_analytic']:.3f}).")
+    else:
+        out.append("HF num_return_sequences ran at no cost point (baseline_max_tokens), so no speedup was measured.")
     return out

@@ -254,6 +254,7 @@ class SampleResult:
     row_prompt: list[int]
     stats: object  # engine.DecodeStats
     kv_bytes: int  # analytic KV bytes holding valid positions at the end (cache.used_nbytes())
+    cache_bytes: int  # measured: bytes of the storage behind the cache's key/value tensors (`cache_bytes`)
 
 
 def expand_counts(n, n_prompts: int) -> list[int]:
@@ -270,13 +271,15 @@ def expand_counts(n, n_prompts: int) -> list[int]:
 @torch.no_grad()
 def generate_shared(model, prompts: list[list[int]], n, *, max_new_tokens: int = 64, sampler=None,
                     generator=None, eos_token_ids: list[int] | None = None, shared: bool = True,
-                    progress: bool = False) -> SampleResult:
+                    progress: bool = False, return_logprobs: bool = True) -> SampleResult:
     """Sample n continuations of each prompt, prefilling each prompt once (shared=True).
 
     prompts: P token lists; n: int or P ints; generator: one torch.Generator or one per row (B = sum n).
     The decode loop is `engine.generate`'s, started from our own prefill, so with the same per-row
     generators the tokens equal `engine.generate(prompts repeated n times)`. shared=False prefills every
     repeated prompt into a plain KVCache (the unshared reference, also with log-probs).
+    return_logprobs=False skips the per-step log-prob bookkeeping (logprobs is then None), for cost runs
+    that compare against decoders which do not compute it.
     """
     from decodelab import engine
 
@@ -298,10 +301,48 @@ def generate_shared(model, prompts: list[list[int]], n, *, max_new_tokens: int =
     prefill_s = time.perf_counter() - start
     result = engine.generate(model, rows, max_new_tokens=max_new_tokens, sampler=sampler, generator=generator,
                              eos_token_ids=eos_token_ids, progress=progress, prefilled=(cache, logits),
-                             return_logprobs=True)
+                             return_logprobs=return_logprobs)
     result.stats.prefill_s += prefill_s
     return SampleResult(tokens=result.tokens, logprobs=result.logprobs, finished=result.finished,
-                        row_prompt=row_prompt, stats=result.stats, kv_bytes=cache.used_nbytes())
+                        row_prompt=row_prompt, stats=result.stats, kv_bytes=cache.used_nbytes(),
+                        cache_bytes=cache_bytes(cache))
+
+
+# ---------------------------------------------------------------- KV bytes: measured and analytic
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """The key/value tensors a cache holds: a `SharedPrefixKVCache` (prefix + suffix), a `KVCache`, a
+    transformers `Cache` (`DynamicCache`: `.layers[i].keys/.values`; older versions `.key_cache/.value_cache`)
+    or the legacy tuple of (key, value) per layer."""
+    if isinstance(cache, SharedPrefixKVCache):
+        return [cache.prefix_keys, cache.prefix_values, cache.suffix_keys, cache.suffix_values]
+    if isinstance(cache, KVCache):
+        return [cache.keys, cache.values]
+    if hasattr(cache, "layers"):
+        return [t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                if isinstance(t, torch.Tensor)]
+    if hasattr(cache, "key_cache"):
+        return [t for t in (*cache.key_cache, *cache.value_cache) if isinstance(t, torch.Tensor)]
+    if isinstance(cache, (tuple, list)):
+        return [t for layer in cache for t in layer if isinstance(t, torch.Tensor)]
+    raise TypeError(f"cache of type {type(cache).__name__} is not a SharedPrefixKVCache, KVCache, "
+                    "transformers Cache or tuple of (key, value) per layer")
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the memory behind `tensors`, each storage counted once: a view of a tensor already counted
+    (the shared prompt KV that forked rows read) adds nothing, a view of a larger buffer counts the buffer."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def cache_bytes(cache) -> int:
+    """Measured KV bytes of a cache: the storage behind its key/value tensors (see `cache_tensors`)."""
+    return storage_bytes(cache_tensors(cache))
 
 
 def kv_bytes_per_token(model) -> int:
@@ -313,7 +354,8 @@ def kv_bytes_per_token(model) -> int:
 
 
 def analytic_kv_bytes(per_token: int, prompt_len: int, n: int, new_tokens: int, *, shared: bool) -> int:
-    """KV bytes of n samples of one prompt: shared (P + n*new) or unshared n*(P + new) positions."""
+    """Analytic KV bytes of n samples of one prompt: shared (P + n*new) or unshared n*(P + new) positions.
+    A formula, not a measurement: `cache_bytes` measures what a cache actually holds."""
     positions = prompt_len + n * new_tokens if shared else n * (prompt_len + new_tokens)
     return positions * per_token
 
@@ -323,9 +365,12 @@ def attention_benchmark(prompt_lengths, n_values, *, n_heads: int = 9, n_kv_head
                         seed: int = 0) -> list[dict]:
     """Time one decode step of one attention layer: shared-prefix attention vs standard attention over n
     materialized copies of the prompt KV (what an unshared cache holds). Defaults: the embedded model's
-    head shapes. -> [{prompt_len, n, impl: "shared" | "unshared", seconds (median per call)}]"""
+    head shapes. The two are timed in alternation, `repeats` rounds after one warm-up call each.
+    -> [{prompt_len, n, impl: "shared" | "unshared", seconds (min per call), seconds_max, seconds_spread}]"""
     from decodelab.transformer import grouped_attention
 
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be >= 1")
     g = torch.Generator(device=device).manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
     rows = []
@@ -343,21 +388,25 @@ def attention_benchmark(prompt_lengths, n_values, *, n_heads: int = 9, n_kv_head
                                                           row_counts=[n]),
                 "unshared": lambda: grouped_attention(q, full_k, full_v, full_mask),
             }
-            for impl, call in calls.items():
-                rows.append({"prompt_len": prompt_len, "n": n, "impl": impl,
-                             "seconds": _median_time(call, repeats, torch.device(device))})
+            times = _alternating_times(calls, repeats, torch.device(device))
+            for impl, t in times.items():
+                rows.append({"prompt_len": prompt_len, "n": n, "impl": impl, "seconds": min(t),
+                             "seconds_max": max(t), "seconds_spread": (max(t) - min(t)) / min(t)})
     return rows
 
 
-def _median_time(call, repeats: int, device: torch.device) -> float:
+def _alternating_times(calls: dict, repeats: int, device: torch.device) -> dict:
+    """{name: [seconds per call]}: one warm-up each, then `repeats` rounds, the call order flipping each round."""
     from decodelab.engine import synchronize
 
-    call()  # warm-up
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        call()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    for call in calls.values():
+        call()  # warm-up
+    names, times = list(calls), {name: [] for name in calls}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            synchronize(device)
+            start = time.perf_counter()
+            calls[name]()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return times
