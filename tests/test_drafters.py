@@ -82,3 +82,22 @@ def test_draft_with_a_different_tokenizer_is_refused(tiny):
     with pytest.raises(ValueError, match="different tokenizer"):
         check_same_tokenizer(target, draft)
     check_same_tokenizer(target, LoadedModel("d2", tiny.hf_model, _Tok({"a": 0, "b": 1}), tiny.transformer))
+
+
+def test_sampled_drafts_take_each_rows_uniforms_from_its_own_generator(tiny):
+    from decodelab.drafters import DraftContext, LayerSkipDrafter
+    from decodelab.sampling import Sampler, SamplerConfig
+
+    prompt = [5, 9, 14, 5, 9, 20, 31]
+    sampler = Sampler(SamplerConfig(temperature=1.5))
+
+    def drafts(seeds):
+        d = LayerSkipDrafter(tiny, [0, 1])
+        d.begin([prompt, prompt], max_len=32)
+        ctx = DraftContext(tokens=[prompt + [3], prompt + [3]], sampler=sampler,
+                           generator=[torch.Generator().manual_seed(s) for s in seeds])
+        return d.propose(ctx, 4).tokens
+
+    base, other = drafts([1, 2]), drafts([1, 3])
+    assert torch.equal(base[0], other[0])  # row 0 reads generator 0 only
+    assert torch.equal(drafts([2, 2])[0], base[1])  # identical rows with identical generators draft alike

@@ -75,3 +75,58 @@ def test_70b_needs_several_gpus_and_the_kv_cache_caps_the_batch():
     b = roofline.max_batch(SHAPES["Qwen2.5-7B"], h100, 1024)
     kv = b * 1024 * SHAPES["Qwen2.5-7B"].kv_bytes_per_token
     assert kv + SHAPES["Qwen2.5-7B"].weight_bytes <= h100.memory < kv + SHAPES["Qwen2.5-7B"].weight_bytes + 1024 * SHAPES["Qwen2.5-7B"].kv_bytes_per_token
+
+
+def test_two_calibration_points_narrow_the_fit_to_peak_and_overhead():
+    shape = SHAPES["Qwen2.5-0.5B"]
+    true = Hardware("true", peak=2e12, bandwidth=float("inf"), overhead=3e-3, combine="sum")
+    b, n, s = np.array([2, 2]), np.array([1, 3]), np.array([300, 300])
+    t = roofline.step_time(shape, true, b, n, s)
+    fit = roofline.fit_hardware(shape, b, n, s, t, combine="sum")
+    assert fit.parameters == ("peak", "overhead") and "bandwidth dropped" in fit.note
+    np.testing.assert_allclose(roofline.step_time(shape, fit.hardware, b, n, s), t, rtol=1e-6)
+    one = roofline.fit_hardware(shape, b[:1], n[:1], s[:1], t[:1])
+    assert one.parameters == ("overhead",)
+    assert roofline.step_time(shape, one.hardware, 2, 9, 300) == pytest.approx(t[0])  # every step costs the one measured
+    with pytest.raises(ValueError, match="need >= 1 measured step"):
+        roofline.fit_hardware(shape, [], [], [], [])
+
+
+def test_split_cells_holds_out_a_seeded_share_of_each_group():
+    groups = ["a"] * 5 + ["b"] * 4 + ["c"]
+    held = roofline.split_cells(groups, seed=3)
+    assert held.tolist() == roofline.split_cells(groups, seed=3).tolist()  # reproducible
+    by = {g: [h for x, h in zip(groups, held) if x == g] for g in "abc"}
+    assert (sum(by["a"]), sum(by["b"]), sum(by["c"])) == (2, 2, 0)  # floor(n / 2); a lone cell only fits
+    assert any(roofline.split_cells(groups, seed=s).tolist() != held.tolist() for s in range(4, 10))
+
+
+def _cells(alpha=0.6, draft_s=1e-3):
+    shape, hw = SHAPES["Qwen2.5-0.5B"], Hardware("hw", peak=5e11, bandwidth=2e10, overhead=2e-3, combine="sum")
+    rows = []
+    for b in (1, 4, 16):
+        for k in (1, 2, 4):
+            t1, tv = roofline.step_time(shape, hw, b, 1, 200), roofline.step_time(shape, hw, b, k + 1, 200)
+            rows.append({"batch": b, "drafter": "ngram", "k": k, "context": 200, "draft_s_per_token": draft_s,
+                         "tau": float(roofline.expected_tokens(alpha, k)),
+                         "speedup": float(roofline.predicted_speedup(alpha, k, t1, draft_s, tv))})
+    return rows, shape, hw
+
+
+def test_a_held_out_cells_own_measurements_never_enter_its_prediction():
+    rows, shape, hw = _cells()
+    val = roofline.validate(rows, shape, hw, seed=0)
+    assert val.n_heldout == 4 and val.n_fit == 5
+    tampered = [dict(r, tau=9.0, draft_s_per_token=5.0, speedup=0.01) if h else r for r, h in zip(rows, val.held_out)]
+    again = roofline.validate(tampered, shape, hw, seed=0)
+    assert again.held_out == val.held_out
+    np.testing.assert_allclose(again.predicted, val.predicted)  # the fit saw none of the held-out numbers
+    assert again.heldout_error > 0.5 and again.insample_error != val.insample_error
+
+
+def test_cells_the_model_made_are_predicted_exactly_held_out_and_in_sample():
+    rows, shape, hw = _cells()
+    val = roofline.validate(rows, shape, hw, seed=1)
+    assert val.heldout_error == pytest.approx(0.0, abs=1e-3) and val.insample_error == pytest.approx(0.0, abs=1e-3)
+    alone = roofline.validate(rows[:1], shape, hw, seed=1)  # one cell: nothing to hold out
+    assert alone.n_heldout == 0 and alone.heldout_error is None

@@ -356,3 +356,131 @@ def test_interleaved_method_runs_keep_plain_greedy_tokens_and_the_fastest_round(
     calib = speculative_bench.measure_step_times(tiny, [1, 2], (1, 3), context=8, repeats=3)
     assert all(r["seconds"] <= r["seconds_median"] for r in calib) and len(calib) == 4
 
+
+
+class _SleepyPolicy:
+    """A k policy that spends `pause` seconds deciding and `pause` updating, every step."""
+
+    ks = (0, 2)
+
+    def __init__(self, pause):
+        self.pause, self.calls = pause, 0
+
+    def begin(self, batch_size):
+        pass
+
+    def choose_k(self, n_active, *, context):
+        import time
+
+        time.sleep(self.pause)
+        self.calls += 1
+        return 2
+
+    def update(self, *args, **kwargs):
+        import time
+
+        time.sleep(self.pause)
+
+
+def test_the_policys_own_decision_time_is_charged_to_its_steps(tiny):
+    pause = 0.02
+    policy = _SleepyPolicy(pause)
+    out = speculative.generate(tiny, _prompts(2), NGramDrafter(), k=policy, max_new_tokens=6, eos_token_ids=[])
+    steps = len(out.stats.step_s)
+    assert steps == policy.calls >= 1
+    assert all(s >= 2 * pause for s in out.stats.step_s)  # decide + update inside every step's clock
+    assert out.stats.decode_s >= 2 * pause * steps
+    assert out.stats.as_dict()["policy_s"] >= 2 * pause * steps
+    assert out.stats.as_dict()["policy_s"] <= out.stats.decode_s
+
+
+def _row_generators(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_plain_steps_with_per_row_generators_sample_what_engine_generate_samples(tiny):
+    prompts = _prompts(3)
+    sampler = Sampler(SamplerConfig(temperature=1.0))
+    ref = engine.generate(tiny, prompts, max_new_tokens=12, sampler=sampler, generator=_row_generators([4, 5, 6]),
+                          eos_token_ids=[])
+    out = speculative.generate(tiny, prompts, None, k=0, max_new_tokens=12, sampler=sampler,
+                               generator=_row_generators([4, 5, 6]), eos_token_ids=[])
+    assert out.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_per_row_generators_make_a_rows_sample_independent_of_its_batch(tiny, drafter):
+    prompts = _prompts(3)
+    sampler = Sampler(SamplerConfig(temperature=1.0))
+    make = _drafters(tiny)[drafter]
+    batch = speculative.generate(tiny, prompts, make(), k=3, max_new_tokens=14, sampler=sampler,
+                                 generator=_row_generators([7, 8, 9]), eos_token_ids=[])
+    again = speculative.generate(tiny, prompts, make(), k=3, max_new_tokens=14, sampler=sampler,
+                                 generator=_row_generators([7, 8, 9]), eos_token_ids=[])
+    assert batch.tokens == again.tokens  # reproducible per-row streams
+    for b, (prompt, seed) in enumerate(zip(prompts, [7, 8, 9])):
+        alone = speculative.generate(tiny, [prompt], make(), k=3, max_new_tokens=14, sampler=sampler,
+                                     generator=_row_generators([seed]), eos_token_ids=[])
+        assert alone.tokens[0] == batch.tokens[b], f"row {b}"
+    other = speculative.generate(tiny, prompts, make(), k=3, max_new_tokens=14, sampler=sampler,
+                                 generator=_row_generators([7, 8, 99]), eos_token_ids=[])
+    assert other.tokens[:2] == batch.tokens[:2]  # reseeding row 2 leaves rows 0 and 1 alone
+
+
+def test_a_generator_list_of_the_wrong_length_is_a_clear_error(tiny):
+    sampler = Sampler(SamplerConfig(temperature=1.0))
+    with pytest.raises(ValueError, match="list of 2 generators, need one per row \\(3"):
+        speculative.generate(tiny, _prompts(3), NGramDrafter(), k=2, max_new_tokens=4, sampler=sampler,
+                             generator=_row_generators([1, 2]))
+
+
+# ----------------------------------------------------------------------------------------------
+# notebook 01's goals and generated sentences
+
+def _sweep_rows(batches=(1, 4), category_speedup=1.8):
+    rows = []
+    for b in batches:
+        rows += [{"batch": b, "drafter": "plain", "k": 0, "speedup": 1.0},
+                 {"batch": b, "drafter": "ngram", "k": 2, "speedup": category_speedup / b},
+                 {"batch": b, "drafter": "ngram", "k": 4, "speedup": category_speedup / b - 0.1},
+                 {"batch": b, "drafter": "ngram", "k": "adaptive", "speedup": 0.9 * category_speedup / b}]
+    return rows
+
+
+def test_goals_the_run_could_not_measure_are_not_measured():
+    from decodelab import speculative_bench
+
+    rows = [r for r in _sweep_rows() if r["k"] != "adaptive"]
+    goals = {g.name: g for g in speculative_bench.speculation_goals(rows, drafters=["ngram"], grid_category="chat")}
+    assert set(goals) == {"ngram_speedup_b1_code", "ngram_ours_over_hf_prompt_lookup",
+                          "adaptive_vs_plain_at_largest_batch_ngram", "adaptive_fraction_of_best_fixed_k_b1_ngram",
+                          "roofline_heldout_error"}
+    assert all(g.value is None and g.met is None and g.status == "not measured" for g in goals.values())
+    assert "code_edit" in goals["ngram_speedup_b1_code"].note
+
+
+def test_goals_are_judged_against_their_targets_from_the_sweep():
+    from decodelab import speculative_bench
+
+    hf = [{"impl": "ours", "method": "ngram", "tokens_per_s": 30.0}, {"impl": "hf", "method": "ngram", "tokens_per_s": 20.0}]
+    goals = {g.name: g for g in speculative_bench.speculation_goals(
+        _sweep_rows(), drafters=["ngram"], grid_category="code_edit", hf_rows=hf, heldout_error=0.2, insample_error=0.1,
+        n_heldout=3)}
+    assert goals["ngram_speedup_b1_code"].value == pytest.approx(1.8) and goals["ngram_speedup_b1_code"].met is True
+    assert goals["ngram_ours_over_hf_prompt_lookup"].value == pytest.approx(1.5)
+    largest = goals["adaptive_vs_plain_at_largest_batch_ngram"]
+    assert largest.value == pytest.approx(0.9 * 1.8 / 4) and largest.met is False and "batch 4" in largest.label
+    assert goals["adaptive_fraction_of_best_fixed_k_b1_ngram"].value == pytest.approx(0.9)
+    assert goals["roofline_heldout_error"].met is False and "in-sample error 10%" in goals["roofline_heldout_error"].note
+
+
+def test_trend_sentences_say_falls_only_when_the_speedup_falls_with_batch():
+    from decodelab import speculative_bench
+
+    rows = [{"drafter": "a", "batch": 1, "speedup": 1.5}, {"drafter": "a", "batch": 4, "speedup": 0.8},
+            {"drafter": "b", "batch": 1, "speedup": 0.9}, {"drafter": "b", "batch": 4, "speedup": 1.1},
+            {"drafter": "c", "batch": 1, "speedup": 1.2}]
+    a, b, c = speculative_bench.trend_sentences(rows)
+    assert "falls at every larger batch" in a and "1.50x at batch 1" in a and "above plain (> 1x) at batch 1." in a
+    assert "rises at every larger batch" in b and "falls" not in b
+    assert "batch 1 only" in c

@@ -32,6 +32,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from decodelab.sampling import draw_uniforms
+
 
 @dataclass
 class DraftContext:
@@ -48,7 +50,8 @@ class DraftContext:
                  may skip work for them (it must still return B rows).
     sampler      None for greedy drafting, else a `decodelab.sampling.Sampler` whose `.probs` gives
                  the drafter's processed distribution q (the same processing as the target's p).
-    generator    torch.Generator for the drafter's own sampling (None when greedy).
+    generator    torch.Generator for the drafter's own sampling (None when greedy), or a list of one
+                 per row (draw row b's numbers from generator[b] only, as `sampling.draw_uniforms` does).
     new_hidden   (B, T, D) or None (only for `needs_hidden` drafters): the target's final-normed hidden
                  states of every position it cached since the previous `propose` (at the first
                  propose: the whole prompt), left-aligned per row; row b's valid ones are
@@ -62,7 +65,7 @@ class DraftContext:
     last_hidden: torch.Tensor | None = None
     active: torch.Tensor | None = None
     sampler: object | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | list[torch.Generator] | None = None
     new_hidden: torch.Tensor | None = None
     new_hidden_lengths: torch.Tensor | None = None
 
@@ -265,8 +268,9 @@ class CachedModelDrafter(DrafterBase):
         if ctx.sampler is None:
             return logits.argmax(-1), None
         q = ctx.sampler.probs(logits)
+        # one uniform per row: from the one generator, or from row b's own (a list, engine.generate's contract)
         gen = ctx.generator
-        u = torch.rand(q.shape[0], generator=gen, device=gen.device if gen is not None else q.device).to(q.device)
+        u = torch.rand(q.shape[0], device=q.device) if gen is None else draw_uniforms(gen, q.shape[0], q.device)
         return _inverse_cdf(q, u), q
 
     def _propose(self, ctx: DraftContext, k: int) -> DraftProposal:

@@ -158,6 +158,11 @@ class Fit:
     hardware: Hardware
     median_rel_error: float  # of the fitted step times against the measured ones
     n_points: int
+    parameters: tuple[str, ...] = ("peak", "bandwidth", "overhead")  # what the fit chose (the rest: dropped)
+    note: str = ""  # why parameters were dropped, when they were
+
+
+HARDWARE_PARAMETERS = ("peak", "bandwidth", "overhead")
 
 
 def fit_hardware(shape: ModelShape, batch, n_tokens, context, seconds, *, combine: str = "max",
@@ -165,35 +170,51 @@ def fit_hardware(shape: ModelShape, batch, n_tokens, context, seconds, *, combin
     """Least-squares fit (in relative error) of peak, bandwidth and overhead to measured step times.
 
     batch, n_tokens, context, seconds: equal-length sequences, one per measured step (median of repeats).
+    Fewer than 3 steps cannot pin 3 numbers, so the fit narrows instead of failing: with 2 steps it
+    fits peak and overhead (bandwidth -> infinity, the bytes term dropped: at one batch the bytes barely
+    change with the tokens per row, so only FLOPs can tell two steps apart); with 1 step only the
+    overhead (every step costs what was measured). `Fit.parameters` and `Fit.note` say which.
     """
     from scipy.optimize import least_squares
 
     if combine not in ("max", "sum"):
         raise ValueError(f"combine={combine!r} must be 'max' or 'sum'")
     t = np.asarray(seconds, dtype=float)
-    if len(t) < 3:
-        raise ValueError(f"need >= 3 measured steps to fit 3 parameters, got {len(t)}")
+    if len(t) < 1:
+        raise ValueError("need >= 1 measured step to fit the roofline, got none")
+    free = [0, 1, 2] if len(t) >= 3 else [0, 2] if len(t) == 2 else [2]
     flops, nbytes = shape.flops(batch, n_tokens, context), shape.bytes(batch, n_tokens, context)
 
-    def model(x):  # x = log(1/peak), log(1/bandwidth), log(overhead): positive by construction
+    def full(xf):  # x = log(1/peak), log(1/bandwidth), log(overhead); a dropped term is exp(-inf) = 0
+        x = np.full(3, -np.inf)
+        x[free] = xf
+        return x
+
+    def model(xf):
+        x = full(xf)
         compute, memory = flops * np.exp(x[0]), nbytes * np.exp(x[1])
         core = np.maximum(compute, memory) if combine == "max" else compute + memory
         return core + np.exp(x[2])
 
-    def residual(x):
-        return (model(x) - t) / t
+    def residual(xf):
+        return (model(xf) - t) / t
 
     # start from a compute-only and a memory-only reading of the data, at a small overhead
     x0 = np.log([np.median(t / flops), np.median(t / nbytes) / 2, max(t.min() / 10, 1e-6)])
+    if len(free) == 1:
+        x0[2] = np.log(np.median(t))
     best = None
     for shift in (np.array([0.0, 0.0, 0.0]), np.array([1.0, -1.0, 0.0]), np.array([-1.0, 1.0, 1.0])):
-        sol = least_squares(residual, x0 + shift, method="lm" if len(t) > 3 else "trf")
+        sol = least_squares(residual, (x0 + shift)[free], method="lm" if len(t) > len(free) else "trf")
         if best is None or sol.cost < best.cost:
             best = sol
-    x = best.x
-    hw = Hardware(name, peak=float(np.exp(-x[0])), bandwidth=float(np.exp(-x[1])), overhead=float(np.exp(x[2])),
-                  combine=combine)
-    return Fit(hw, float(np.median(np.abs(residual(x)))), len(t))
+    with np.errstate(over="ignore"):
+        peak, bandwidth, overhead = np.exp(-full(best.x)[:2]).tolist() + [float(np.exp(full(best.x)[2]))]
+    hw = Hardware(name, peak=float(peak), bandwidth=float(bandwidth), overhead=overhead, combine=combine)
+    parameters = tuple(HARDWARE_PARAMETERS[i] for i in free)
+    note = "" if len(free) == 3 else (f"only {len(t)} measured step(s): fitted {', '.join(parameters)}; "
+                                     f"{', '.join(p for p in HARDWARE_PARAMETERS if p not in parameters)} dropped")
+    return Fit(hw, float(np.median(np.abs(residual(best.x)))), len(t), parameters, note)
 
 
 def expected_tokens(alpha, k) -> np.ndarray:
@@ -275,3 +296,77 @@ def predict_rows(rows: list[dict], shape: ModelShape, hw: Hardware, alphas: dict
             tv = step_time(shape, hw, r["batch"], k + 1, r["context"])
             out.append(float(predicted_speedup(alphas[r["drafter"]], k, t1, r["draft_s_per_token"], tv)))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# held-out validation of the speedup prediction
+
+
+def split_cells(groups, *, seed: int, fraction: float = 0.5) -> np.ndarray:
+    """Held-out flags, one per cell: within each group (e.g. a drafter's cells) a seeded random
+    floor(n * fraction) of the n cells are held out, the rest fit. A group of one cell only fits.
+    The same seed and groups always give the same split."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"fraction={fraction!r} must be in [0, 1)")
+    rng = np.random.default_rng(seed)
+    groups = list(groups)
+    held = np.zeros(len(groups), dtype=bool)
+    for group in dict.fromkeys(groups):  # groups in order of first appearance: the split is reproducible
+        idx = np.array([i for i, g in enumerate(groups) if g == group])
+        held[rng.permutation(idx)[: int(len(idx) * fraction)]] = True
+    return held
+
+
+def predict_from(fit_rows: list[dict], rows: list[dict], shape: ModelShape, hw: Hardware) -> list[float]:
+    """Predicted speedup of each row {batch, drafter, k, context} using only what `fit_rows` measured:
+    each drafter's acceptance a (fit_alpha over its fit rows' k and tau) and its draft seconds per token
+    (median over its fit rows at the same batch, else over all its fit rows). A row's own tau, draft
+    cost and speedup are never read, so a row outside fit_rows is predicted blind. nan where the
+    drafter has no fit row."""
+    alphas, cost, cost_any = {}, {}, {}
+    for d in {r["drafter"] for r in fit_rows}:
+        mine = [r for r in fit_rows if r["drafter"] == d]
+        alphas[d] = fit_alpha([r["k"] for r in mine], [r["tau"] for r in mine])
+        cost_any[d] = float(np.median([r["draft_s_per_token"] for r in mine]))
+        for b in {r["batch"] for r in mine}:
+            cost[d, b] = float(np.median([r["draft_s_per_token"] for r in mine if r["batch"] == b]))
+    blind = [{"batch": r["batch"], "drafter": r["drafter"], "k": r["k"], "context": r["context"],
+              "draft_s_per_token": cost.get((r["drafter"], r["batch"]), cost_any.get(r["drafter"], float("nan")))}
+             for r in rows]
+    return [p if r["drafter"] in alphas else float("nan") for p, r in zip(predict_rows(blind, shape, hw, alphas), rows)]
+
+
+def median_rel_error(predicted, measured) -> float | None:
+    """Median of |predicted - measured| / measured over the finite pairs (None when there are none)."""
+    p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
+    ok = np.isfinite(p) & np.isfinite(m) & (m != 0)
+    return float(np.median(np.abs(p[ok] - m[ok]) / np.abs(m[ok]))) if ok.any() else None
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The speedup prediction judged on cells it did not see, and (beside it) on cells it did.
+
+    held_out[i]: cell i was left out of the held-out fit; predicted[i]: that fit's prediction (blind for
+    held-out cells); predicted_insample[i]: the prediction of a fit on every cell."""
+
+    held_out: list[bool]
+    predicted: list[float]
+    predicted_insample: list[float]
+    heldout_error: float | None  # median relative error over held-out cells (None: none predictable)
+    insample_error: float | None  # median relative error of the all-cells fit over all cells
+    n_fit: int
+    n_heldout: int
+
+
+def validate(rows: list[dict], shape: ModelShape, hw: Hardware, *, seed: int, fraction: float = 0.5) -> Validation:
+    """Split measured fixed-k cells {batch, drafter, k, context, tau, draft_s_per_token, speedup} per drafter
+    with `split_cells`, fit acceptance and draft cost on the fit cells, and score the held-out ones."""
+    held = split_cells([r["drafter"] for r in rows], seed=seed, fraction=fraction)
+    fit_rows = [r for r, h in zip(rows, held) if not h]
+    predicted = predict_from(fit_rows, rows, shape, hw)
+    insample = predict_from(rows, rows, shape, hw)
+    measured = [r["speedup"] for r in rows]
+    heldout_error = median_rel_error([p for p, h in zip(predicted, held) if h], [m for m, h in zip(measured, held) if h])
+    return Validation(held.tolist(), predicted, insample, heldout_error, median_rel_error(insample, measured),
+                      n_fit=len(fit_rows), n_heldout=int(held.sum()))

@@ -77,13 +77,35 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 1e-12, r / total.clamp_min(1e-30), p)
 
 
+def verify_uniforms(generator, lengths: torch.Tensor | None, k: int, batch_size: int, *, device=None,
+                    dtype=torch.float32) -> torch.Tensor:
+    """(B, k+1) uniforms in [0, 1) for `rejection_verify`: u_i decides draft i, u_k the resample.
+
+    generator: None (the global stream), one torch.Generator (one (B, k+1) draw), or a list of B
+    (`engine.generate`'s per-row contract). From a list, row b draws only what it uses, m_b + 1 numbers
+    (m_b = lengths[b] real drafts, else k), placed at u_0..u_{m_b-1} and u_k: a row's stream then
+    depends on its own drafts only, not on how wide the other rows made the step.
+    """
+    if not isinstance(generator, (list, tuple)):
+        gen_device = generator.device if generator is not None else device
+        return torch.rand(batch_size, k + 1, generator=generator, device=gen_device, dtype=dtype).to(device)
+    if len(generator) != batch_size:
+        raise ValueError(f"generator: got a list of {len(generator)} generators, need one per row ({batch_size})")
+    real = [k] * batch_size if lengths is None else [min(int(m), k) for m in lengths.tolist()]
+    out = torch.full((batch_size, k + 1), 0.5, dtype=dtype)  # positions past m_b are padding: never read
+    for b, (g, m) in enumerate(zip(generator, real)):
+        u = torch.rand(m + 1, generator=g, device=g.device, dtype=dtype).cpu()
+        out[b, :m], out[b, k] = u[:m], u[m]
+    return out.to(device)
+
+
 def rejection_verify(
     drafts: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     *,
     lengths: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact speculative sampling for a batch.
@@ -91,16 +113,15 @@ def rejection_verify(
     drafts (B, k) long; draft_probs (B, k, V) q_i, or None for deterministic drafts (q_i one-hot at d_i);
     target_probs (B, k+1, V) p_i (already processed by the sampler: temperature, top-p, ...);
     lengths (B,) real drafts per row (positions past it act as q = 0, i.e. always rejected);
-    uniforms (B, k+1) in [0, 1) (drawn from `generator` when None): u_i decides draft i, u_k the
-    resample. -> (n_accepted (B,) in [0, k], next (B,) long).
+    uniforms (B, k+1) in [0, 1) (drawn from `generator`, one or a list of B, when None; see
+    `verify_uniforms`): u_i decides draft i, u_k the resample. -> (n_accepted (B,) in [0, k], next (B,) long).
     """
     B, k = drafts.shape
     V = target_probs.shape[-1]
     device = target_probs.device
     drafts = drafts.to(device)
     if uniforms is None:
-        gen_device = generator.device if generator is not None else device
-        uniforms = torch.rand(B, k + 1, generator=generator, device=gen_device, dtype=target_probs.dtype).to(device)
+        uniforms = verify_uniforms(generator, lengths, k, B, device=device, dtype=target_probs.dtype)
     valid = _valid_mask(drafts, lengths)
     if draft_probs is None:
         q = torch.nn.functional.one_hot(drafts, V).to(target_probs.dtype)
@@ -161,13 +182,18 @@ def prefill(model, prompts: list[list[int]], *, max_new_tokens: int, max_k: int 
 
 @dataclass
 class SpecStats(DecodeStats):
-    """What one speculative generation measured: the engine's DecodeStats plus, per step, k, draft seconds
-    and verify seconds, and the acceptance counts."""
+    """What one speculative generation measured: the engine's DecodeStats plus, per step, k, draft seconds,
+    verify seconds and the k policy's own seconds, and the acceptance counts.
+
+    A step's clock (`step_s`) runs from the top of the loop to the bottom: the policy's decision,
+    drafting, verifying, the bookkeeping and the policy's update, so whatever a method spends deciding
+    is charged to its speedup."""
 
     drafter: str = "plain"
     step_k: list[int] = field(default_factory=list)
     draft_s: list[float] = field(default_factory=list)
     verify_s: list[float] = field(default_factory=list)
+    policy_s: list[float] = field(default_factory=list)  # the k policy's own decision + update time (inside step_s)
     row_steps: int = 0  # (active row, step) pairs
     emitted: int = 0  # tokens those row-steps produced before truncation: sum of n_accepted + 1
     reached: list[int] = field(default_factory=lambda: [0] * max(K_CHOICES))  # drafts at position i judged
@@ -193,7 +219,8 @@ class SpecStats(DecodeStats):
         return {
             "drafter": self.drafter, "batch_size": self.batch_size, "prompt_tokens": self.prompt_tokens,
             "prefill_s": self.prefill_s, "decode_s": self.decode_s, "draft_s": sum(self.draft_s),
-            "verify_s": sum(self.verify_s), "steps": steps, "new_tokens": self.new_tokens, "tau": self.tau,
+            "verify_s": sum(self.verify_s), "policy_s": sum(self.policy_s), "steps": steps,
+            "new_tokens": self.new_tokens, "tau": self.tau,
             "mean_k": sum(self.step_k) / steps if steps else float("nan"),
             "tokens_per_s": self.tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
         }
@@ -246,13 +273,25 @@ def verify(logits: torch.Tensor, proposal, sampler, generator) -> tuple[torch.Te
     sampler (or when every row is temperature 0), else exact rejection sampling on sampler.probs."""
     if sampler is None or sampler.is_greedy:
         return greedy_verify(proposal.tokens.to(logits.device), logits, proposal.lengths)
+    from decodelab.sampling import sample_inverse_cdf
+
     p = torch.stack([sampler.probs(logits[:, i]) for i in range(logits.shape[1])], dim=1)
-    return rejection_verify(proposal.tokens, proposal.probs, p, lengths=proposal.lengths, generator=generator)
+    B, k = proposal.tokens.shape
+    u = verify_uniforms(generator, proposal.lengths, k, B, device=logits.device, dtype=p.dtype)
+    n, nxt = rejection_verify(proposal.tokens, proposal.probs, p, lengths=proposal.lengths, uniforms=u)
+    if proposal.lengths is not None:
+        # a row without a real draft samples p_0 either way; take a plain step's draw (its one uniform
+        # through the sampler's own rank-ordered inverse CDF), so its stream does not depend on whether
+        # the other rows made this a verify step
+        empty = proposal.lengths.to(logits.device) == 0
+        if bool(empty.any()):
+            nxt = torch.where(empty, sample_inverse_cdf(sampler.process(logits[:, 0]), u[:, k]), nxt)
+    return n, nxt
 
 
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | None = None, *, k=4,
-             max_new_tokens: int = 64, sampler=None, generator: torch.Generator | None = None,
+             max_new_tokens: int = 64, sampler=None, generator: torch.Generator | list[torch.Generator] | None = None,
              eos_token_ids: list[int] | None = None, prefilled: Prefilled | None = None,
              progress: bool = False) -> SpecResult:
     """Batched speculative decoding: draft k tokens per row, verify them in one target step, keep the
@@ -260,7 +299,10 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
 
     model: LoadedModel or Transformer (the target). drafter: any `Drafter` (None -> plain decoding).
     k: int >= 0 drafts per step (0 = plain decode steps), or an `AdaptivePolicy` choosing k per step.
-    sampler: None (greedy) or a `decodelab.sampling.Sampler`; generator: torch.Generator for sampling.
+    sampler: None (greedy) or a `decodelab.sampling.Sampler`; generator: a torch.Generator, or a list of one
+    per row as `engine.generate` takes (row b then draws every number it uses from generator[b]: its plain
+    steps draw exactly what engine.generate's would, and with a fixed k its stream does not depend on the
+    other rows of the batch).
     prefilled: a `Prefilled` of the same prompts to reuse (its cache is cropped back to the prompts).
     Greedy output equals plain greedy decoding token for token; sampled output has the target's law.
     """
@@ -288,6 +330,8 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
                          f"this run needs {max_new_tokens} and {k_max}")
     prompts = prefilled.prompts
     B = len(prompts)
+    if isinstance(generator, (list, tuple)) and len(generator) != B:
+        raise ValueError(f"generator: got a list of {len(generator)} generators, need one per row ({B} prompts)")
     cache = prefilled.cache
     cache.crop(prefilled.prompt_lengths.clone())
     device = tr.device
@@ -315,17 +359,19 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
         bar = tqdm(total=max_new_tokens, desc=f"{stats.drafter} B={B}", leave=False)
     rows = torch.arange(B, device=device)
     while not all(done):
+        # one clock per step, top to bottom: the policy's decision and update are charged like drafting
+        synchronize(device)
+        start = time.perf_counter()
         active_list = [not d for d in done]
         active = torch.tensor(active_list, device=device)
         n_active = sum(active_list)
         context = cache.lengths.float().mean().item() if policy is not None else 0.0
         step_k = policy.choose_k(n_active, context=context) if policy is not None else k
+        t_policy = time.perf_counter()
         if step_k > len(stats.reached):  # deeper drafts than K_CHOICES: grow the per-position counters
             grow = step_k - len(stats.reached)
             stats.reached += [0] * grow
             stats.accepted += [0] * grow
-        synchronize(device)
-        start = time.perf_counter()
         old = cache.lengths.clone()
         proposal = None
         if step_k > 0 and drafter is not None:
@@ -359,11 +405,7 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
             last_hidden = torch.where(active[:, None], hidden[rows, n], last_hidden)
             unseen_hidden.append((hidden, torch.where(active, n + 1, torch.zeros_like(n))))
         n_list, next_list = n.tolist(), nxt.tolist()  # host sync
-        end = time.perf_counter()
-        stats.step_k.append(step_k)
-        stats.draft_s.append(t_draft - start)
-        stats.verify_s.append(end - t_draft)
-        stats.step_s.append(end - start)
+        t_verify = time.perf_counter()
         lengths = proposal.lengths.tolist() if step_k > 0 and proposal.lengths is not None else [step_k] * B
         for b in range(B):
             if done[b]:
@@ -384,9 +426,19 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
         if any(done):  # park finished rows at their prompt: their scratch writes then always fit
             parked = torch.tensor(done, device=device)
             cache.crop(torch.where(parked, prefilled.prompt_lengths, cache.lengths))
+        policy_s = t_policy - start
         if policy is not None:
-            policy.update(step_k, n, active, stats.step_s[-1], stats.draft_s[-1], lengths=lengths, context=context)
+            t_update = time.perf_counter()
+            # the policy learns from the draft and verify seconds (its model predicts those), not its own
+            policy.update(step_k, n, active, t_verify - t_policy, t_draft - t_policy, lengths=lengths, context=context)
+            policy_s += time.perf_counter() - t_update
         pending = torch.tensor([s[-1] for s in seqs], device=device)
+        end = time.perf_counter()
+        stats.step_k.append(step_k)
+        stats.draft_s.append(t_draft - t_policy)
+        stats.verify_s.append(t_verify - t_draft)
+        stats.policy_s.append(policy_s)
+        stats.step_s.append(end - start)
         if bar is not None:
             bar.update(max(0, min(max_new_tokens, max(map(len, generated))) - bar.n))
     if bar is not None:

@@ -1,5 +1,6 @@
-"""Experiments around `decodelab.speculative`: workloads, step-time calibration, the method grid, and
-transformers side by side. Notebook 01 calls these; the decoding itself lives in `speculative`.
+"""Experiments around `decodelab.speculative`: workloads, step-time calibration, the method grid,
+transformers side by side, and notebook 01's goal rows and generated sentences. Notebook 01 calls
+these; the decoding itself lives in `speculative`.
 
 Timing on a shared machine is noisy (other processes steal whole time slices), and noise only ever
 adds time. So every measurement here repeats and keeps the *minimum*, and runs being compared are
@@ -210,3 +211,94 @@ def hf_side_by_side(model, prompts: list[list[int]], *, k: int, max_new_tokens: 
             rows.append({"impl": impl, "method": method, "prompt": i, "tokens_per_s": len(new) / seconds,
                          "seconds": seconds, "new_tokens": len(new), "same_as_plain": new == ref})
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# goals and generated sentences
+
+# The notebook's stated goals: name -> (op, target). Targets are defined once, here.
+GOAL_TARGETS = {
+    "ngram_speedup_b1_code": (">=", 1.7),
+    "ngram_ours_over_hf_prompt_lookup": (">=", 1.0),
+    "adaptive_vs_plain_at_largest_batch": (">=", 0.97),
+    "adaptive_fraction_of_best_fixed_k_b1": (">=", 0.8),
+    "roofline_heldout_error": ("<=", 0.15),
+}
+
+
+def best_speedup(rows: list[dict], drafter: str, batch: int, k=None) -> float | None:
+    """The best fixed-k speedup of `drafter` at `batch` (k=None), or that of the cell with k (e.g.
+    "adaptive"); None when the sweep has no such cell."""
+    cells = [r["speedup"] for r in rows if r["drafter"] == drafter and r["batch"] == batch
+             and (r["k"] != "adaptive" if k is None else r["k"] == k)]
+    return float(max(cells)) if cells else None
+
+
+def hf_ratio(hf_rows: list[dict], num=("ours", "ngram"), den=("hf", "ngram")) -> float | None:
+    """Mean tokens/s of (impl, method) `num` over that of `den` in `hf_side_by_side` rows (None: none)."""
+    def mean(impl, method):
+        v = [r["tokens_per_s"] for r in hf_rows if r["impl"] == impl and r["method"] == method]
+        return sum(v) / len(v) if v else None
+
+    a, b = mean(*num), mean(*den)
+    return a / b if a is not None and b else None
+
+
+def speculation_goals(rows: list[dict], *, drafters, grid_category: str, hf_rows: list[dict] = (),
+                      heldout_error: float | None = None, insample_error: float | None = None,
+                      n_heldout: int = 0) -> list:
+    """Notebook 01's goals as `decodelab.goals.Goal` rows from the sweep rows (run_methods' rows), the
+    transformers side by side and the roofline's held-out error. A goal the run could not measure
+    (no batch 1, not code editing, transformers off, adaptive off, no held-out cell) has value None."""
+    from decodelab.goals import Goal
+
+    def goal(name, value, **kw):
+        op, target = GOAL_TARGETS[name.split(":")[0]]
+        return Goal.check(name.replace(":", "_"), value, op, target, **kw)
+
+    batches = sorted({r["batch"] for r in rows})
+    on_code = grid_category == "code_edit" and 1 in batches
+    out = [goal("ngram_speedup_b1_code", best_speedup(rows, "ngram", 1) if on_code else None, unit="x",
+                label="n-gram speedup at batch 1 on code editing (best fixed k)",
+                note="" if on_code else f"needs grid_category 'code_edit' and batch 1 (got {grid_category!r}, {batches})"),
+           goal("ngram_ours_over_hf_prompt_lookup", hf_ratio(list(hf_rows)), unit="x",
+                label="our n-gram vs transformers' prompt lookup at batch 1 (tokens/s ratio)",
+                note="" if hf_rows else "the transformers side by side did not run (hf_compare off)")]
+    for d in drafters:
+        swept = sorted({r["batch"] for r in rows if r["drafter"] == d and r["k"] == "adaptive"})
+        top, low = (swept[-1], swept[0]) if swept else (None, None)
+        why = "" if swept else "the adaptive policy did not run (adaptive off)"
+        note = why or ("" if top == max(batches) else f"largest batch this drafter was swept at (sweep: {max(batches)})")
+        out.append(goal(f"adaptive_vs_plain_at_largest_batch:{d}", best_speedup(rows, d, top, "adaptive") if swept else None,
+                        unit="x", label=f"adaptive policy ({d}) vs plain decoding at batch {top}", note=note))
+        best, adaptive = (best_speedup(rows, d, low), best_speedup(rows, d, low, "adaptive")) if swept else (None, None)
+        out.append(goal(f"adaptive_fraction_of_best_fixed_k_b1:{d}",
+                        adaptive / best if low == 1 and best and adaptive is not None else None, unit="%",
+                        label=f"adaptive policy ({d}) as a fraction of the best fixed k at batch 1",
+                        note=why or ("" if low == 1 else f"the sweep has no batch 1 (smallest: {low})")))
+    insample = "n/a" if insample_error is None else f"{insample_error:.0%}"
+    out.append(goal("roofline_heldout_error", heldout_error, unit="%",
+                    label="roofline median relative error on held-out cells",
+                    note=f"{n_heldout} held-out cells; in-sample error {insample} (a metric, not a goal)"
+                    + ("" if heldout_error is not None else "; no held-out cell could be predicted")))
+    return out
+
+
+def trend_sentences(best_rows: list[dict]) -> list[str]:
+    """One generated sentence per drafter on how its best fixed-k speedup moves with batch, from rows
+    {drafter, batch, speedup} (one per drafter and batch)."""
+    out = []
+    for d in dict.fromkeys(r["drafter"] for r in best_rows):
+        pts = sorted((r["batch"], float(r["speedup"])) for r in best_rows if r["drafter"] == d)
+        s = [v for _, v in pts]
+        above = [b for b, v in pts if v > 1.0]
+        where = f"above plain (> 1x) at batch {', '.join(map(str, above))}" if above else "never above plain"
+        if len(pts) < 2:
+            out.append(f"{d}: measured at batch {pts[0][0]} only ({s[0]:.2f}x, {where}); no trend with batch.")
+            continue
+        trend = ("falls at every larger batch" if all(b < a for a, b in zip(s, s[1:]))
+                 else "rises at every larger batch" if all(b > a for a, b in zip(s, s[1:]))
+                 else "does not move monotonically with batch")
+        out.append(f"{d}: best fixed-k speedup {s[0]:.2f}x at batch {pts[0][0]}, {s[-1]:.2f}x at batch {pts[-1][0]}; "
+                   f"it {trend}; {where}.")
+    return out
