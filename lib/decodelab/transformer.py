@@ -16,6 +16,39 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
+def sliding_window_layers(config) -> list[int]:
+    """Layers that attend through a sliding window shorter than the model's context ([] = none).
+
+    Mistral sets `sliding_window` for every layer; Qwen2/3 only with `use_sliding_window` (their config
+    then lists "sliding_attention" in `layer_types` for layers >= max_window_layers). A window that
+    covers max_position_embeddings never cuts anything off, so it counts as full attention.
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None or window >= config.max_position_embeddings:
+        return []
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    return list(range(config.num_hidden_layers))
+
+
+def check_supported(config) -> None:
+    """Raise ValueError unless our forward computes this config's attention exactly (before weights load)."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type={config.model_type!r} is not supported by decodelab's engine; "
+            f"supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    layers = sliding_window_layers(config)
+    if layers:
+        raise ValueError(
+            f"model_type={config.model_type!r} uses sliding-window attention (sliding_window={config.sliding_window} "
+            f"on {len(layers)} of {config.num_hidden_layers} layers, max_position_embeddings="
+            f"{config.max_position_embeddings}); decodelab's engine attends over the whole cache and would decode "
+            "it wrongly. Allowed: models without a sliding window, or with a window >= max_position_embeddings"
+        )
+
+
 class KVCache:
     """Preallocated per-row KV cache: keys/values (n_layers, B, K, S_max, D), lengths (B,).
 
@@ -119,11 +152,7 @@ class Transformer(torch.nn.Module):
     def __init__(self, hf_model):
         super().__init__()
         config = hf_model.config
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type={config.model_type!r} is not supported by decodelab's engine; "
-                f"supported: {SUPPORTED_MODEL_TYPES}"
-            )
+        check_supported(config)
         self.hf_model = hf_model
         self.config = config
         inner = hf_model.model
