@@ -143,3 +143,53 @@ def test_static_explorer_draws_one_panel_per_setting():
     dist = widgets.NextToken(context="", logits=torch.randn(50, generator=torch.Generator().manual_seed(0)))
     fig = widgets.kept_set_explorer(dist, None, interactive=False, static_settings=[(1.0, 0.9, 0.1), (2.0, 0.9, 0.1)])
     assert len(fig.axes) == 2
+
+
+# --- power and sample size of a paired comparison ---------------------------------------------------
+
+
+@pytest.mark.parametrize("sd,half_width", [(0.5, 0.1), (0.35, 0.1), (1.0, 0.05), (0.2, 0.3)])
+def test_required_pairs_is_the_smallest_n_meeting_the_half_width(sd, half_width):
+    n = metrics.required_pairs(sd, half_width)
+    z = metrics.z_value(0.95)
+    assert z * sd / math.sqrt(n) <= half_width + 1e-12
+    assert n == 2 or z * sd / math.sqrt(n - 1) > half_width
+
+
+def test_required_pairs_rejects_a_non_positive_half_width():
+    with pytest.raises(ValueError, match="half_width"):
+        metrics.required_pairs(0.5, 0.0)
+    with pytest.raises(ValueError, match="sd_of_differences"):
+        metrics.required_pairs(float("nan"), 0.1)
+
+
+def test_minimum_detectable_difference_is_z_sum_times_the_standard_error():
+    # (1.959964 + 0.841621) * 0.5 / sqrt(100)
+    assert metrics.minimum_detectable_difference(0.5, 100) == pytest.approx(0.1400792, rel=1e-6)
+    assert metrics.minimum_detectable_difference(0.5, 400) == pytest.approx(0.1400792 / 2, rel=1e-6)
+    assert math.isnan(metrics.minimum_detectable_difference(0.5, 1))
+
+
+def test_mdd_from_a_normal_interval_equals_the_analytic_mdd():
+    sd, n = 0.4, 80
+    half = metrics.z_value(0.95) * sd / math.sqrt(n)
+    assert metrics.mdd_from_interval(0.03 - half, 0.03 + half) == pytest.approx(
+        metrics.minimum_detectable_difference(sd, n))
+
+
+def test_sd_of_differences_pairs_units_and_needs_two():
+    a, b = np.array([1.0, 0, 1, 1]), np.array([0.0, 0, 1, 0])
+    assert metrics.sd_of_differences(a, b) == pytest.approx(np.std(a - b, ddof=1))
+    assert math.isnan(metrics.sd_of_differences([1.0], [0.0]))
+
+
+def test_planning_sd_is_at_least_one_discordant_unit_for_bounded_values():
+    assert metrics.planning_sd(0.0, 25) == pytest.approx(0.2)
+    assert metrics.planning_sd(0.5, 25) == 0.5
+    assert metrics.planning_sd(0.0, 25, bounded=False) == 0.0
+    one_discordant = np.r_[1.0, np.zeros(24)]
+    assert metrics.sd_of_differences(one_discordant, np.zeros(25)) == pytest.approx(0.2)
+
+
+def test_interpolate_at_a_missing_target_is_nan():
+    assert math.isnan(metrics.interpolate_at([0.0, 1.0], [0.0, 1.0], float("nan")))

@@ -5,8 +5,10 @@ and judge the settings with intervals over units.
 sample) is a row of shared batches with per-row sampler configs and a per-(prompt, sample) generator
 stream that is the same under every setting, so comparisons between samplers are paired.
 
-Sections: the grid runner; per-setting tables of `run_grid` frames (cross-fitted tuning, verdict
-claims); quality vs diversity on open-ended writing (Pareto frontiers, matched-diversity differences).
+Sections: the grid runner; per-setting tables of `run_grid` frames (cross-fitted tuning); quality vs
+diversity on open-ended writing (Pareto frontiers, matched-diversity differences). The verdict rows
+built from these tables (paired intervals, minimum detectable differences, generated sentences) are
+in `verdicts`.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 from decodelab.metrics import (
     Embedder, bootstrap_ci, coherence, distinct_n, embedding_diversity, interpolate_at, judge_nll, load_embedder,
-    paired_bootstrap_diff, pareto_frontier, self_bleu, words,
+    pareto_frontier, self_bleu, words,
 )
 from decodelab.tasks import ArithmeticProblem, extract_answer
 
@@ -56,6 +58,11 @@ class Setting:
     @property
     def order_name(self) -> str:
         return self.order if isinstance(self.order, str) else "truncate_first"
+
+    @property
+    def key(self) -> tuple:
+        """The structured key verdicts use (setting_key): (sampler, param, temperature, order name)."""
+        return setting_key(self.sampler, self.param, self.temperature, self.order_name)
 
     @property
     def label(self) -> str:
@@ -114,14 +121,17 @@ def row_seed(seed: int, unit: int, sample: int) -> int:
 
 def run_grid(
     model, prompts: list[list[int]], settings: list[Setting], *, n_samples: int = 1, max_new_tokens: int = 128,
-    seed: int = 0, batch_size: int = 64, progress: bool = True,
+    seed: int = 0, batch_size: int = 64, n_units: Sequence[int] | None = None, progress: bool = True,
 ):
     """Generate for every (setting, prompt, sample) as rows of shared batches (per-row sampler configs).
 
     Row (setting s, unit u, sample j) draws its uniforms from a generator seeded with row_seed(seed, u, j),
     the same for every setting: differences between settings are not seed noise. Greedy settings run
-    one sample per unit (more would be copies). Rows are batched unit by unit, so a batch holds the
-    rows of one or a few prompts and each prompt is prefilled once (`shared_prefix.generate_shared`).
+    one sample per unit (more would be copies). n_units: per setting, how many of the leading units it
+    runs on (None = all), so secondary settings can run on a prefix of the units that main ones use;
+    on the units two settings share they stay paired. Rows are batched unit by unit, greedy rows with
+    the sampled rows of their unit, so a batch holds the rows of one or a few prompts and each prompt is
+    prefilled once per stage order (`shared_prefix.generate_shared`).
     Returns (DataFrame, one row per generation: setting, sampler, param, temperature, order, label,
     unit, sample, tokens, n_tokens, finished, logprob (sum of log p_model(token), T = 1, over the
     tokens); list of DecodeStats).
@@ -132,15 +142,19 @@ def run_grid(
     from decodelab.sampling import Sampler
     from decodelab.shared_prefix import generate_shared
 
+    n_units = [len(prompts)] * len(settings) if n_units is None else [int(n) for n in n_units]
+    if len(n_units) != len(settings) or any(not 1 <= n <= len(prompts) for n in n_units):
+        raise ValueError(f"n_units={n_units!r} must give each of the {len(settings)} settings a count in "
+                         f"1..{len(prompts)} (the number of prompts)")
     rows = [
         (s, u, j)
         for s, setting in enumerate(settings)
-        for u in range(len(prompts))
+        for u in range(n_units[s])
         for j in range(1 if setting.sampler == "greedy" else n_samples)
     ]
-    # one stage order per batch (a Sampler has one); greedy rows apart (an all-greedy batch takes the
-    # argmax fast path, and sampled batches skip the greedy masking); the rows of a unit stay together
-    rows.sort(key=lambda r: (settings[r[0]].order_name, settings[r[0]].sampler == "greedy", r[1], r[0], r[2]))
+    # one stage order per batch (a Sampler has one); the rows of a unit stay together, greedy rows
+    # included (a mixed batch masks greedy rows to their argmax), so each prompt is prefilled once per order
+    rows.sort(key=lambda r: (settings[r[0]].order_name, r[1], r[0], r[2]))
     batches = [chunk[i : i + batch_size] for chunk in _split_by_order(rows, settings)
                for i in range(0, len(chunk), batch_size)]
     if progress:
@@ -165,11 +179,58 @@ def run_grid(
 
 
 def _split_by_order(rows, settings):
-    """Rows (already sorted) -> runs of rows sharing the stage order and greediness."""
+    """Rows (already sorted) -> runs of rows sharing the stage order."""
     chunks: dict = {}
     for r in rows:
-        chunks.setdefault((settings[r[0]].order_name, settings[r[0]].sampler == "greedy"), []).append(r)
+        chunks.setdefault(settings[r[0]].order_name, []).append(r)
     return list(chunks.values())
+
+
+def units_per_setting(settings: list[Setting], main_temperatures: Sequence[float], n_main: int,
+                      n_secondary: int) -> list[int]:
+    """How many leading units each setting runs on (run_grid's n_units): the main comparisons (every
+    truncation sampler in the temperature-first order at a main temperature, and greedy) on all
+    n_main units, everything else (other temperatures, plain temperature sampling, other stage
+    orders) on the first n_secondary."""
+    if not 1 <= n_secondary <= n_main:
+        raise ValueError(f"n_secondary={n_secondary!r} must be in 1..n_main={n_main}")
+    main = {float(t) for t in main_temperatures}
+    missing = main - {s.temperature for s in settings if s.sampler in SAMPLER_FIELDS and s.order_name == "hf"}
+    if missing:
+        raise ValueError(f"main_temperatures has {sorted(missing)}, where no truncation sampler runs; allowed: the "
+                         f"sweep's temperatures {sorted({s.temperature for s in settings if s.sampler != 'greedy'})}")
+
+    def is_main(s: Setting) -> bool:
+        return s.sampler == "greedy" or (s.sampler in SAMPLER_FIELDS and s.order_name == "hf" and s.temperature in main)
+
+    return [n_main if is_main(s) else n_secondary for s in settings]
+
+
+def check_settings(temperatures: Sequence[float]) -> list[tuple[Setting, Setting]]:
+    """(check, reference) pairs that must generate identical rows in one run_grid call, whatever the
+    model: top_p = 1 disables the filter, so it is plain temperature sampling at the lowest temperature
+    (the common random numbers: equal uniforms -> equal tokens); min_p = 1 keeps only the argmax, so it
+    is greedy at the highest temperature (temperature never moves the argmax)."""
+    lo, hi = float(min(temperatures)), float(max(temperatures))
+    return [(Setting("top_p", 1.0, lo), Setting("temperature", None, lo)),
+            (Setting("min_p", 1.0, hi), Setting("greedy", None, 0.0))]
+
+
+def rows_of(frame, setting: Setting):
+    """The rows of run_grid's frame that `setting` generated (matched on its structured key)."""
+    keys = [setting_key(*k) for k in zip(frame.sampler, frame.param, frame.temperature, frame.order)]
+    return frame[[k == setting.key for k in keys]]
+
+
+def identical_rows(frame, check: Setting, reference: Setting) -> dict:
+    """Fraction of (unit, sample) rows of `check` whose tokens equal the `reference` row with the same
+    unit (and sample; greedy has sample 0 only). -> {check, reference, n_rows, fraction_identical}."""
+    a = rows_of(frame, check).set_index(["unit", "sample"]).tokens
+    b = rows_of(frame, reference).set_index(["unit", "sample"]).tokens
+    keys = [k for k in a.index if (k if reference.sampler != "greedy" else (k[0], 0)) in b.index]
+    same = [a[k] == b[k if reference.sampler != "greedy" else (k[0], 0)] for k in keys]
+    return {"check": check.label, "reference": reference.label, "n_rows": len(keys),
+            "fraction_identical": float(np.mean(same)) if same else None}
 
 
 def decode_texts(tokenizer, token_lists: list[list[int]]) -> list[str]:
@@ -208,9 +269,10 @@ def setting_table(frame, value: str, *, n_boot: int = 2000, seed: int = 0):
     info = frame.drop_duplicates("setting").set_index("setting")
     rows = []
     for sid, per_unit in zip(ids, matrix):
-        est, low, high = bootstrap_ci(per_unit[~np.isnan(per_unit)], n_boot=n_boot, seed=seed)
+        ran = per_unit[~np.isnan(per_unit)]  # the units this setting ran on
+        est, low, high = bootstrap_ci(ran, n_boot=n_boot, seed=seed)
         row = {c: info.loc[sid, c] for c in SETTING_COLUMNS if c != "setting"}
-        rows.append(dict(setting=sid, **row, **{value: est, "ci_low": low, "ci_high": high, "n_units": len(per_unit)}))
+        rows.append(dict(setting=sid, **row, **{value: est, "ci_low": low, "ci_high": high, "n_units": len(ran)}))
     return pd.DataFrame(rows)
 
 
@@ -233,15 +295,40 @@ def cross_fit_best(matrix: np.ndarray, *, seed: int = 0, folds: int = 2) -> tupl
     return values, chosen
 
 
-def tuned_per_unit(frame, value: str, *, seed: int = 0) -> dict[tuple[str, float, str], tuple[np.ndarray, list]]:
-    """{(sampler, temperature, order): (cross-fitted per-unit values, chosen params)} over each
-    sampler's grid at each temperature (baselines have a one-setting grid)."""
+def setting_key(sampler: str, param: float | None, temperature: float, order: str = "hf") -> tuple:
+    """A setting's structured key (sampler, param, temperature, order name): how verdicts look settings
+    up (never by formatting a label string). Numbers as floats, a missing param as None."""
+    return (sampler, None if _is_missing(param) else float(param), float(temperature), order)
+
+
+def per_unit_values(frame, value: str) -> dict[tuple, "pd.Series"]:
+    """{setting_key: pd.Series of `value` averaged over samples, indexed by unit} for every setting in
+    `frame` (a setting's series holds only the units it ran on)."""
+    out = {}
+    for (sampler, param, temperature, order), group in frame.groupby(
+            ["sampler", "param", "temperature", "order"], dropna=False, sort=False):
+        out[setting_key(sampler, param, temperature, order)] = group.groupby("unit")[value].mean()
+    return out
+
+
+def tuned_per_unit(frame, value: str, *, seed: int = 0) -> dict[tuple[str, float, str], tuple["pd.Series", list]]:
+    """{(sampler, temperature, order): (cross-fitted per-unit values as a Series indexed by unit, chosen
+    params)} over each sampler's grid at each temperature (baselines have a one-setting grid). Every
+    setting of one grid must have run on the same units."""
+    import pandas as pd
+
     out = {}
     for (sampler, temperature, order), group in frame.groupby(["sampler", "temperature", "order"], sort=False):
         ids, matrix = unit_matrix(group, value)
-        values, chosen = cross_fit_best(matrix, seed=seed)
+        units = group.groupby(["setting", "unit"])[value].mean().unstack("unit").columns.to_numpy()
+        ran = ~np.isnan(matrix).all(axis=0)
+        if np.isnan(matrix[:, ran]).any():
+            raise ValueError(f"the {sampler} grid at T={temperature} ({order}) ran its settings on different "
+                             f"units: cross-fitting needs every setting on the same units")
+        values, chosen = cross_fit_best(matrix[:, ran], seed=seed)
         params = group.drop_duplicates("setting").set_index("setting").loc[[ids[c] for c in chosen], "param"]
-        out[(sampler, float(temperature), order)] = (values, [None if _is_missing(p) else float(p) for p in params])
+        out[(sampler, float(temperature), order)] = (pd.Series(values, index=units[ran]),
+                                                     [None if _is_missing(p) else float(p) for p in params])
     return out
 
 
@@ -249,38 +336,22 @@ def _is_missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def claim(text: str, a: np.ndarray, b: np.ndarray, *, n_boot: int = 2000, seed: int = 0) -> dict:
-    """A verdict row for "a > b" on paired per-unit values: holds only when the CI of mean(a - b) is
-    above zero; `finding` says which way the evidence points, or "inconclusive"."""
-    d = paired_bootstrap_diff(a, b, n_boot=n_boot, seed=seed)
-    finding = "a > b" if d["ci_low"] > 0 else "a < b" if d["ci_high"] < 0 else "inconclusive"
-    return {"claim": text, "difference": d["difference"], "ci_low": d["ci_low"], "ci_high": d["ci_high"],
-            "holds": bool(d["ci_low"] > 0), "finding": finding}
-
-
 def tuned_table(tuned: dict, *, n_boot: int = 2000, seed: int = 0):
     """tuned_per_unit's dict -> one row per (sampler, temperature, order): the cross-fitted value, its
-    bootstrap CI over units, and the parameter chosen in each fold."""
+    bootstrap CI over units, the number of units, and the parameter chosen in each fold."""
     import pandas as pd
 
     rows = []
     for (sampler, temperature, order), (values, chosen) in tuned.items():
-        est, low, high = bootstrap_ci(values, n_boot=n_boot, seed=seed)
+        est, low, high = bootstrap_ci(np.asarray(values, dtype=float), n_boot=n_boot, seed=seed)
         rows.append({"sampler": sampler, "temperature": temperature, "order": order, "value": est,
-                     "ci_low": low, "ci_high": high, "chosen": chosen})
+                     "ci_low": low, "ci_high": high, "n_units": len(values), "chosen": chosen})
     return pd.DataFrame(rows)
 
 
 def flip(diff: dict) -> dict:
     """{difference, ci_low, ci_high} of a - b -> the same for b - a."""
     return {**diff, "difference": -diff["difference"], "ci_low": -diff["ci_high"], "ci_high": -diff["ci_low"]}
-
-
-def claim_from_diff(text: str, diff: dict) -> dict:
-    """A verdict row from a {difference, ci_low, ci_high} dict whose claim is "difference > 0"."""
-    finding = "a > b" if diff["ci_low"] > 0 else "a < b" if diff["ci_high"] < 0 else "inconclusive"
-    return {"claim": text, "difference": diff["difference"], "ci_low": diff["ci_low"], "ci_high": diff["ci_high"],
-            "holds": bool(diff["ci_low"] > 0), "finding": finding}
 
 
 # --- quality vs diversity on open-ended writing ------------------------------------------------------

@@ -42,7 +42,7 @@ class Difficulty:
             raise ValueError(f"operations={self.operations!r} must be a non-empty subset of {OPERATIONS}")
 
 
-# Numbered levels, easiest first. Level 1 is RESEARCH.md's "Tom has a apples, buys b more" with
+# Numbered levels, easiest first. Level 1 is docs/RESEARCH.md's "Tom has a apples, buys b more" with
 # single-digit operands; each level adds an operation kind, larger operands, or a step.
 # SmolLM2-135M-Instruct greedy, one-shot prompt, 40 tokens, our engine, problems 0-59 of seed 0
 # (2 shared cores, noisy only in time): level 2 55%, level 3 32%; level 1 ~70-78% and two-step levels
