@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from decodelab import findings, report
+from decodelab import report
+from decodelab.goals import Goal
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -52,9 +53,23 @@ def make_notebook(path: Path, png: Path) -> Path:
     return path
 
 
+QUIET = {"cores": 2, "before": [0.42, 0.3, 0.2], "after": [0.61, 0.4, 0.3], "peak_1min": 0.77, "loaded": False}
+LOADED = {"cores": 2, "before": [5.25, 4.0, 3.0], "after": [6.5, 5.0, 4.0], "peak_1min": 7.25, "loaded": True}
+
+
+def fake_goal_rows(run_id: str) -> list[dict]:
+    """One met, one not met, one not measured goal, as decodelab.goals writes them."""
+    return [
+        Goal.check("speedup_b1", 1.8312345, ">=", 1.5, label="speedup at batch 1", unit="x").to_row(),
+        Goal.check("never_slower_b64", 0.8712, ">=", 0.97, label="never slower at batch 64", unit="x",
+                   note=f"from {run_id}").to_row(),
+        Goal.check("accuracy_lower_bound", None, ">=", 0.5, label="accuracy lower bound").to_row(),
+    ]
+
+
 def make_run(root: Path, name: str, run_id: str, *, status: str = "ok", profile: str = "cpu",
              started: str = "2026-11-29T10:00:00+00:00", figures=None, metrics=None,
-             captions=None) -> Path:
+             captions=None, load=QUIET) -> Path:
     """results/<name>/<run_id>/ the way decodelab.runs lays it out."""
     run_dir = root / name / run_id
     (run_dir / "figures").mkdir(parents=True)
@@ -70,19 +85,51 @@ def make_run(root: Path, name: str, run_id: str, *, status: str = "ok", profile:
         "cpu": {"model": "Fake CPU @ 2.0GHz", "cores": 2, "usable_cores": 2}, "memory_gib": 8.0, "gpu": [],
         "git": {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": False},
     }
+    if load is not None:
+        env["load"] = load
     (run_dir / "env.json").write_text(json.dumps(env))
-    (run_dir / "params.json").write_text(json.dumps({"model": "smollm2-135m", "seed": 0, "output_dir": str(run_dir)}))
+    (run_dir / "params.json").write_text(json.dumps({"model": "smollm2-135m", "seed": 0, "max_new_tokens": 96,
+                                                     "output_dir": str(run_dir)}))
     metrics = metrics if metrics is not None else {
         "verdict": f"{name} verdict from {run_id}",
         "speedup_at_b1": 1.8312345,
         "greedy_match": True,
         "per_batch": [{"batch": b, "speedup": 2.0 / b} for b in (1, 2, 4)],
-        "goals": {"speedup >= 1.5 at batch 1": True, "never slower at batch 64": False},
+        "sampler_token_ids": {"greedy": [5071, 3328, 2201, 9001]},
+        "goals": fake_goal_rows(run_id),
     }
+    if name == "quickstart" and "throughput" not in metrics:
+        metrics = {**metrics, **write_throughput(run_dir)}
     (run_dir / "metrics.json").write_text(json.dumps(metrics))
     if figures:
         make_notebook(run_dir / "notebook.ipynb", run_dir / "figures" / f"{figures[0]}.png")
     return run_dir
+
+
+THROUGHPUT = [  # batch, ours tok/s, hf tok/s, identical rows
+    (1, 9.8765, 10.0123, 1), (4, 35.4321, 34.9876, 4), (16, 101.2345, 99.5432, 15),
+]
+
+
+def write_throughput(run_dir: Path) -> dict:
+    """tables/throughput.csv (bench.decode_throughput's rows) and tables/speedup.csv as notebook 00 writes
+    them; returns its metrics."""
+    import pandas as pd
+
+    rows = []
+    for batch, ours, hf, same in THROUGHPUT:
+        for impl, tps in (("ours", ours), ("hf", hf)):
+            seconds = batch * 96 / tps
+            rows.append(dict(batch=batch, impl=impl, tokens_per_s=tps, seconds=seconds, seconds_max=seconds * 1.08,
+                             spread=0.08, repeats=3, new_tokens=batch * 96, identical_rows=same, rows=batch))
+    (run_dir / "tables").mkdir(exist_ok=True)
+    pd.DataFrame(rows).to_csv(run_dir / "tables" / "throughput.csv", index=False)
+    ratio = {b: o / h for b, o, h, _ in THROUGHPUT}
+    pd.DataFrame({"batch": list(ratio), "ours_over_hf": list(ratio.values())}).to_csv(
+        run_dir / "tables" / "speedup.csv", index=False)
+    return {"throughput": rows, "ours_over_hf": ratio,
+            "identical_greedy_rows": {b: f"{s}/{b}" for b, _, _, s in THROUGHPUT},
+            "greedy_match": all(s == b for b, _, _, s in THROUGHPUT)}
 
 
 def make_fake_results(root: Path) -> dict[str, Path]:
@@ -252,18 +299,89 @@ def test_metrics_become_tables_with_capped_rows(tmp_path):
     assert "(40 items)" in page
 
 
-def test_goals_are_a_checklist_not_numbers(built):
+def section(page: str, name: str) -> str:
+    start = page.index(f'<section id="{name}"')
+    return page[start:page.index("</section>", start)]
+
+
+def test_goal_rows_show_met_not_met_and_not_measured(built):
     _, _, _, page = built
-    spec = page[page.index('id="speculation"'):page.index('id="sampling"')]
-    assert '<li class="met">✓ speedup &gt;= 1.5 at batch 1</li>' in spec
-    assert '<li class="unmet">✗ never slower at batch 64</li>' in spec
-    assert "goals." not in spec
+    spec = section(page, "speculation")
+    assert ('<tr class="met"><td>speedup at batch 1</td><td>1.83x</td><td>&gt;= 1.5x</td><td>met</td>'
+            in spec)
+    assert '<tr class="not-met"><td>never slower at batch 64</td><td>0.871x</td>' in spec
+    assert '<tr class="not-measured"><td>accuracy lower bound</td><td>not measured</td>' in spec
+
+
+def test_section_answers_first_then_figure_numbers_and_collapsed_metrics(built):
+    _, _, _, page = built
+    spec = section(page, "speculation")
+    order = ['class="question"', '<p class="answer"><b>Answer.</b> 1 of 3 goals met; not met: never slower',
+             '<table class="goals">', 'id="fig-speedup_vs_batch"', "Numbers behind the answer",
+             "<details><summary>All metrics (metrics.json)</summary>"]
+    positions = [spec.index(text) for text in order]
+    assert positions == sorted(positions)
+    # raw metrics only inside the collapsed block
+    raw = spec.index("<details><summary>All metrics")
+    assert spec.index("<th>speedup_at_b1</th>") > raw and spec.index("<code>per_batch</code>") > raw
+
+
+def test_key_numbers_have_readable_labels_and_no_token_id_lists(built):
+    _, _, _, page = built
+    quick = section(page, "quickstart")
+    numbers = quick[quick.index("Numbers behind the answer"):quick.index("<details>")]
+    assert "<th>ours / HF tokens/s at batch 4</th><td>1.013</td>" in numbers
+    assert "<th>greedy tokens identical to HF generate() in every row</th><td>no</td>" in numbers
+    assert "ours_over_hf" not in numbers and "5071" not in numbers
+
+
+@pytest.mark.parametrize("goals, shown", [
+    ({"speedup >= 1.5 at batch 1": True}, "bare value without target (old format)"),
+    ([{"name": "speedup", "value": 1.2}], "lacks one of"),
+    ([{**Goal.check("speedup", 1.2, ">=", 1.5).to_row(), "met": True}], "recorded met=True"),
+    ("all good", "not a list of goal rows"),
+])
+def test_malformed_goal_rows_are_never_shown_as_met(tmp_path, goals, shown):
+    root = tmp_path / "results"
+    make_run(root, "mtp", "20261129-100000-mtp000", metrics={"goals": goals, "x": 1})
+    page = section(report.build_report(root=root, export=False).read_text(), "mtp")
+    assert '<tr class="malformed">' in page and html.escape(shown) in page
+    assert '<tr class="met">' not in page and "goals met" not in page
+
+
+def test_goal_row_without_a_value_is_not_measured_even_if_marked_met(tmp_path):
+    root = tmp_path / "results"
+    row = {**Goal.check("speedup", None, ">=", 1.5).to_row(), "met": True}
+    make_run(root, "mtp", "20261129-100000-mtp000", metrics={"goals": [row]})
+    page = section(report.build_report(root=root, export=False).read_text(), "mtp")
+    assert '<tr class="not-measured">' in page and "0 of 1 goals met" in page
+
+
+def test_loaded_run_and_unrecorded_load_are_marked(tmp_path):
+    root = tmp_path / "results"
+    make_run(root, "mtp", "20261129-100000-mtp000", load=LOADED)
+    make_run(root, "masking", "20261129-100000-msk000", load=None)
+    make_run(root, "quickstart", "20261129-100000-qs0000")
+    page = report.build_report(root=root, export=False).read_text()
+    assert '<span class="badge loaded">loaded: timings not comparable (peak load 7.25 on 2 cores)</span>' in page
+    assert "(loaded: timings not comparable (peak load 7.25 on 2 cores).)" in section(page, "mtp")
+    assert '<span class="badge unknown">load not recorded</span>' in section(page, "masking")
+    assert '<span class="badge quiet">quiet (peak load 0.77 on 2 cores)</span>' in section(page, "quickstart")
+
+
+def test_load_above_core_count_is_loaded_even_without_the_flag():
+    from decodelab import answers
+
+    assert answers.load_state({"load": {"cores": 2, "before": 1.0, "after": 2.5}})[0] == answers.LOADED
+    assert answers.load_state({"load": {"cores": 2, "peak_1min": 1.9}})[0] == answers.QUIET
+    assert answers.load_state({"load": {"cores": 2}})[0] == answers.UNKNOWN
+    assert answers.load_state({})[0] == answers.UNKNOWN
 
 
 def test_provenance_lists_profile_model_commit_versions_hardware(built):
     _, fake, _, page = built
-    spec = page[page.index('id="speculation"'):page.index('id="sampling"')]
-    for text in ("<th>profile</th><td>cpu</td>", "<th>model</th><td>smollm2-135m</td>", "0123456789ab",
+    spec = section(page, "speculation")
+    for text in ("<th>profile</th><td>cpu</td>", "<th>machine load</th><td>quiet (peak load 0.77 on 2 cores)</td>", "<th>model</th><td>smollm2-135m</td>", "0123456789ab",
                  "<th>torch</th><td>2.13.0</td>", "Fake CPU @ 2.0GHz (2 cores)", "<th>wall time (s)</th><td>12.5</td>",
                  str(fake["speculation"])):
         assert text in spec
@@ -286,94 +404,6 @@ def test_main_writes_index_into_out_dir(tmp_path, capsys):
     assert "site" in capsys.readouterr().out
 
 
-# ---------------------------------------------------------------- README findings
-README = """# decodelab
-
-Intro kept as is.
-
-## Findings
-
-<!-- findings:start -->
-old hand-written text
-<!-- findings:end -->
-
-## After
-Tail kept as is.
-"""
-
-
-def test_findings_block_replaced_between_markers(tmp_path):
-    root = tmp_path / "results"
-    make_fake_results(root)
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    assert findings.update_readme(readme, root=root) is True
-    text = readme.read_text()
-    before, rest = text.split(findings.START)
-    block, after = rest.split(findings.END)
-    assert before == README.split(findings.START)[0] and after == README.split(findings.END)[1]
-    assert "old hand-written" not in block
-    assert "![speedup vs batch](docs/findings/speculation.png)\n\n*caption of speedup_vs_batch*" in block
-    assert (tmp_path / "docs" / "findings" / "speculation.png").read_bytes().startswith(PNG_MAGIC)
-    assert "> **Verdict.** speculation verdict from 20261129-100000-bbbbbb" in block
-    assert "| `speedup_at_b1` | 1.831 |" in block
-    assert "- ✓ speedup >= 1.5 at batch 1\n- ✗ never slower at batch 64\n" in block
-    assert "Fake CPU @ 2.0GHz (2 cores)" in block and "commit `0123456`" in block and "2026-11-29" in block
-    assert "`decodelab run masking --profile cpu`" in block
-    for question in report.QUESTIONS.values():
-        assert question.question in block
-    # regenerating from the same runs changes nothing
-    assert findings.update_readme(readme, root=root) is False
-    assert findings.update_readme(readme, root=root, check=True) is False
-
-
-def test_findings_use_only_the_requested_profile(tmp_path):
-    root = tmp_path / "results"
-    make_run(root, "mtp", "20261129-100000-cpu000", profile="cpu", started="2026-11-29T10:00:00+00:00")
-    make_run(root, "mtp", "20261129-120000-smoke0", profile="smoke", started="2026-11-29T12:00:00+00:00")
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    findings.update_readme(readme, root=root)
-    text = readme.read_text()
-    assert "mtp verdict from 20261129-100000-cpu000" in text and "smoke0" not in text
-
-
-def test_findings_without_markers_raise_and_write_nothing(tmp_path):
-    root = tmp_path / "results"
-    make_fake_results(root)
-    readme = tmp_path / "README.md"
-    readme.write_text("# decodelab\n\nno markers here\n")
-    with pytest.raises(ValueError, match="findings:start"):
-        findings.update_readme(readme, root=root)
-    assert readme.read_text() == "# decodelab\n\nno markers here\n"
-    assert not (tmp_path / "docs").exists()
-
-
-def test_findings_main_exit_codes(tmp_path, capsys):
-    root = tmp_path / "results"
-    make_fake_results(root)
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    args = ["--readme", str(readme), "--results", str(root)]
-    assert report.findings_main(args + ["--check"]) == 1
-    assert report.findings_main(args) == 0
-    assert report.findings_main(args + ["--check"]) == 0
-    readme.write_text("no markers\n")
-    with pytest.raises(SystemExit) as exit_info:
-        report.findings_main(args)
-    assert exit_info.value.code == 2
-    assert "findings:start" in capsys.readouterr().err
-
-
-def test_findings_quote_named_key_metrics_by_pattern():
-    question = report.Question("x", "t", "q?", ("fig",), ("greedy_match", "speedup.*", "absent"))
-    metrics = {"verdict": "v", "prompt_tokens": 40, "speedup": {"1": 1.8, "4": 1.2}, "greedy_match": True,
-               "rows": [{"a": 1}]}
-    assert findings.key_numbers(question, metrics) == [("greedy_match", True), ("speedup.1", 1.8), ("speedup.4", 1.2)]
-    unnamed = report.Question("x", "t", "q?", ("fig",))
-    assert findings.key_numbers(unnamed, {"a": {"b": 1}, "c": 2, "d": [1, 2]}) == [("c", 2), ("a.b", 1)]
-
-
 def test_profile_option_restricts_the_automatic_choice(tmp_path):
     root = tmp_path / "results"
     make_run(root, "mtp", "20261129-100000-cpu000", profile="cpu", started="2026-11-29T10:00:00+00:00")
@@ -381,3 +411,16 @@ def test_profile_option_restricts_the_automatic_choice(tmp_path):
     assert "smoke0" in report.build_report(root=root, export=False).read_text()
     page = report.build_report(root=root, export=False, profile="cpu").read_text()
     assert "mtp verdict from 20261129-100000-cpu000" in page and "smoke0" not in page
+
+
+def test_verdict_records_render_as_a_table_not_json(tmp_path):
+    root = tmp_path / "results"
+    verdict = [{"claim": "tuned min-p beats tuned top-p at T=2", "key": {"a": "min_p"}, "estimate": 0.125,
+                "finding": "inconclusive"}]
+    make_run(root, "sampling", "20261129-100000-dddddd", metrics={"verdict": verdict, "goals": []})
+    page = section(report.build_report(root=root, export=False).read_text(), "sampling")
+    assert "<th>claim</th><th>estimate</th><th>finding</th>" in page and "<td>inconclusive</td>" in page
+    assert "{&quot;claim&quot;" not in page
+    from decodelab import findings
+
+    assert findings.verdict_md(verdict) == "> **Verdict.**\n> - tuned min-p beats tuned top-p at T=2: inconclusive\n"

@@ -4,101 +4,34 @@
     decodelab report RUN_DIR [RUN_DIR...]  # these runs for their notebooks, the latest ok run for the rest
     decodelab report --hide-code           # executed notebooks exported without their code cells
 
-Per research question the page shows the question in one sentence, the headline figure(s), the
-generated verdict (metrics["verdict"]), the key numbers of metrics.json as tables, and provenance
-(profile, parameters, model, git commit, package versions, hardware, wall time, run directory).
+Each research question's section answers first: the question, the answer sentence generated from the
+run's goal rows (decodelab.answers), the goal table (met / not met / not measured), the key figure,
+a short table of the numbers that support the answer (readable labels), then, collapsed, the raw
+metrics, the other figures and provenance (profile, parameters, model, git commit, package versions,
+hardware, machine load, wall time, run directory). A run whose load exceeded its core count is marked
+"loaded: timings not comparable"; one without a load record "load not recorded".
 Each executed notebook is exported to `notebooks/<name>.html` next to the page and linked from it.
 A notebook without a successful run is shown with the command that would produce one.
 
-Offline by construction: figures are embedded as data: URIs, CSS is inline, the notebook export uses
-a template without require.js/MathJax/widget/mermaid CDN scripts, and any remaining remote
-<script src>/<link href> is removed (`strip_remote_assets`).
+Offline by construction: figures are embedded as data: URIs, CSS is inline, and the notebook exports
+(decodelab.notebook_export) fetch nothing from CDNs.
 """
 from __future__ import annotations
 
 import argparse
 import base64
-import html
-import json
-import os
-import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from decodelab import runs
+from decodelab import answers, runs
+from decodelab.answers import STATEMENT_KEYS, esc, flat_scalars, fmt, is_scalar  # noqa: F401 (re-exported)
+from decodelab.notebook_export import drop_widgets, export_notebook, strip_remote_assets, write_text  # noqa: F401
+from decodelab.questions import QUESTIONS, Question, run_command  # noqa: F401 (re-exported)
 
 REPORT_DIR_NAME = "report"
-# metrics shown as statements rather than numbers: metrics["verdict"] (text, list or dict) and
-# metrics["goals"] ({goal: met?})
-STATEMENT_KEYS = ("verdict", "goals")
 MAX_TABLE_ROWS = 20
-MAX_LIST_ITEMS = 12
-
-
-@dataclass(frozen=True)
-class Question:
-    """What one notebook asks and which figure answers it."""
-
-    name: str  # runner name
-    title: str
-    question: str  # one sentence
-    headline: tuple[str, ...]  # figure stems, in order; the first figure saved is the fallback
-    # metrics the README findings quote, in order: dotted names into metrics.json, shell-style
-    # patterns allowed ("ours_over_hf.*"); empty -> the first few scalar metrics
-    key_metrics: tuple[str, ...] = ()
-
-
-QUESTIONS: dict[str, Question] = {q.name: q for q in (
-    Question(
-        "quickstart", "00 · Quickstart: the decode engine",
-        "How fast does the embedded model decode on this machine, and how does throughput grow with batch size?",
-        ("throughput_vs_batch",),
-        ("greedy_match", "ours_over_hf.*", "identical_greedy_rows.*"),
-    ),
-    Question(
-        "speculation", "01 · Speculative decoding vs batch size",
-        "Does speculative decoding still speed up generation as the batch grows, and which draft-length "
-        "policy never loses?",
-        ("speedup_vs_batch",),
-        ("greedy_match", "acceptance_alpha.*", "crossover_batch.*.measured", "crossover_batch.ngram.predicted",
-         "roofline_median_rel_error"),
-    ),
-    Question(
-        "sampling", "02 · min-p vs top-p",
-        "Is min-p sampling better than top-p across temperatures once both are tuned fairly?",
-        ("accuracy_vs_temperature",),
-        ("greedy_accuracy", "difficulty", "matched_min_p", "matched_min_p.*", "generation_tokens_per_s"),
-    ),
-    Question(
-        "mtp", "03 · Multi-token prediction",
-        "Does training with multi-token prediction hurt or help a small model, and do its heads make useful drafters?",
-        ("loss_curves",),
-        ("val_loss.*.mean", "step_time_ratio", "peak_mem_ratio", "retrofit_val_loss.*.mean", "head_accuracy.*",
-         "retrofit_frozen_bit_identical"),
-    ),
-    Question(
-        "masking", "04 · Distortion under masking",
-        "How far does constrained decoding by token masking move the output distribution from the model's "
-        "distribution conditioned on the grammar, per task?",
-        ("distortion_per_task",),
-        ("kl_masked.*", "tv_masked.*", "naive_slowdown", "naive_slowdown.*", "jump_forward_saved_frac"),
-    ),
-    Question(
-        "consistency", "05 · Self-consistency with a shared prompt KV cache",
-        "How cheap does sharing the prompt's KV cache make self-consistency, and how does accuracy grow with "
-        "the number of samples?",
-        ("cost_vs_n",),
-        ("shared_equals_unshared", "speedup_vs_hf", "kv_ratio_vs_hf", "peak_ratio_vs_hf", "goal_measured_at.prompt_len",
-         "goal_measured_at.n", "greedy_accuracy", "no_answer_rate"),
-    ),
-)}
-
-
-def run_command(name: str, profile: str = "cpu") -> str:
-    """The command that produces a run of notebook `name`."""
-    return f"decodelab run {name} --profile {profile}"
 
 
 # ---------------------------------------------------------------- runs
@@ -115,7 +48,9 @@ class RunRecord:
 
     @property
     def status(self) -> str | None:
-        return self.env.get("status")
+        """env.json's status as a reader should see it: a "running" run whose process is gone reads
+        "interrupted (process gone)" (runs.effective_status)."""
+        return runs.effective_status(self.env)
 
     @property
     def ok(self) -> bool:
@@ -182,28 +117,6 @@ def last_attempt(name: str, *, root: Path | None = None) -> RunRecord | None:
 
 
 # ---------------------------------------------------------------- metrics -> tables
-def is_scalar(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-def fmt(value: Any) -> str:
-    """A metric value as short text: 4 significant digits, lists truncated."""
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, (list, tuple)):
-        shown = ", ".join(fmt(v) for v in value[:MAX_LIST_ITEMS])
-        more = f", … ({len(value)} items)" if len(value) > MAX_LIST_ITEMS else ""
-        return f"[{shown}{more}]"
-    if isinstance(value, dict):
-        text = json.dumps(value, default=str)
-        return text if len(text) <= 200 else text[:199] + "…"
-    return str(value)
-
-
 def is_flat(value: Any) -> bool:
     """A scalar or a list of scalars."""
     return is_scalar(value) or (isinstance(value, list) and all(is_scalar(v) for v in value))
@@ -240,31 +153,7 @@ def split_metrics(metrics: dict) -> tuple[list[tuple[str, Any]], list[tuple[str,
     return scalars, tables
 
 
-def flat_scalars(metrics: dict) -> dict[str, Any]:
-    """Dotted key -> value for every metric that is not a list of records (STATEMENT_KEYS left out).
-
-    `{"speedup": {"1": 1.8}}` -> `{"speedup.1": 1.8}`; lists of numbers stay lists.
-    """
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict) and value:
-            for k, v in value.items():
-                walk(f"{prefix}.{k}", v)
-        elif not (isinstance(value, list) and value and all(isinstance(v, dict) for v in value)):
-            flat[prefix] = value
-
-    for key, value in metrics.items():
-        if key not in STATEMENT_KEYS:
-            walk(str(key), value)
-    return flat
-
-
 # ---------------------------------------------------------------- HTML pieces
-def esc(text: Any) -> str:
-    return html.escape(str(text), quote=True)
-
-
 def html_table(rows: list[dict], max_rows: int = MAX_TABLE_ROWS) -> str:
     """Rows (dicts) -> <table> with the union of keys as columns; at most `max_rows` rows shown."""
     columns: list[str] = []
@@ -295,29 +184,13 @@ def verdict_html(verdict: Any) -> str:
         inner = "".join(f"<li><b>{esc(k)}</b>: {esc(fmt(v) if not isinstance(v, str) else v)}</li>"
                         for k, v in verdict.items())
         body = f"<ul>{inner}</ul>"
+    elif isinstance(verdict, list) and all(isinstance(v, dict) for v in verdict):  # verdict records: a table
+        body = html_table([{k: x for k, x in v.items() if is_scalar(x)} for v in verdict])
     elif isinstance(verdict, list):
         body = "<ul>" + "".join(f"<li>{esc(v if isinstance(v, str) else fmt(v))}</li>" for v in verdict) + "</ul>"
     else:
         body = f"<p>{esc(verdict)}</p>"
     return f'<div class="verdict"><h3>Verdict</h3>{body}</div>'
-
-
-def goal_text(goal: str, met: Any) -> str:
-    """"✓ goal" / "✗ goal" for a met/unmet goal, "goal: value" for a measured one."""
-    if isinstance(met, bool):
-        return f"{'✓' if met else '✗'} {goal}"
-    return f"{goal}: {fmt(met)}"
-
-
-def goals_html(goals: Any) -> str:
-    """metrics["goals"]: {goal: met (bool) or a value} -> a checklist."""
-    if not isinstance(goals, dict) or not goals:
-        return "" if not goals else f'<div class="goals"><h3>Goals</h3><p>{esc(fmt(goals))}</p></div>'
-    items = "".join(
-        f'<li class="{"met" if met is True else "unmet" if met is False else "value"}">{esc(goal_text(goal, met))}</li>'
-        for goal, met in goals.items()
-    )
-    return f'<div class="goals"><h3>Goals</h3><ul>{items}</ul></div>'
 
 
 def data_uri(path: Path) -> str:
@@ -353,6 +226,9 @@ def provenance(record: RunRecord) -> list[tuple[str, Any]]:
         ("started", env.get("started")),
         ("finished", env.get("finished")),
         ("wall time (s)", env.get("wall_s")),
+        ("machine load", answers.load_state(env)[1]),
+        *[(f"load {key}", (env.get("load") or {}).get(key)) for key in ("cores", "before", "after", "peak_1min")
+          if isinstance(env.get("load"), dict)],
         ("cpu", f"{cpu.get('model')} ({cpu.get('usable_cores') or cpu.get('cores')} cores)" if cpu else None),
         ("memory (GiB)", env.get("memory_gib")),
         ("gpu", ", ".join(env.get("gpu") or []) or "none"),
@@ -360,60 +236,6 @@ def provenance(record: RunRecord) -> list[tuple[str, Any]]:
         ("platform", env.get("platform")),
         ("run dir", str(record.dir)),
     ]
-
-
-def strip_remote_assets(page: str) -> str:
-    """Remove <script src="http..."> and <link href="http..."> so a page never reaches the network."""
-    page = re.sub(r"<script\b[^>]*\bsrc\s*=\s*[\"']?(?:https?:)?//[^>]*>.*?</script\s*>", "", page,
-                  flags=re.I | re.S)
-    return re.sub(r"<link\b[^>]*\bhref\s*=\s*[\"']?(?:https?:)?//[^>]*>", "", page, flags=re.I)
-
-
-# ---------------------------------------------------------------- notebook export
-# The lab template minus everything it fetches from CDNs (require.js, MathJax, mermaid, widget
-# manager). Math stays as TeX source; widget outputs are dropped (`drop_widgets`).
-OFFLINE_TEMPLATE_NAME = "decodelab_offline.html.j2"
-OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
-{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
-{%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
-{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
-{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
-"""
-
-
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-
-
-def drop_widgets(nb) -> None:
-    """Remove widget outputs (tqdm bars, sliders) and saved widget state, in place: without a live
-    kernel and the widget manager (a CDN script) they render as nothing or as a stale "0%" bar."""
-    nb.metadata.pop("widgets", None)
-    for cell in nb.cells:
-        if cell.get("outputs"):
-            cell.outputs = [o for o in cell.outputs if WIDGET_VIEW not in o.get("data", {})]
-
-
-def export_notebook(notebook: str | Path, out_path: str | Path, *, hide_code: bool = False) -> Path:
-    """Executed notebook -> standalone offline HTML (images inline; code cells dropped when hide_code)."""
-    import nbformat
-    from jinja2 import DictLoader
-    from nbconvert import HTMLExporter
-
-    exporter = HTMLExporter(
-        template_name="lab",
-        template_file=OFFLINE_TEMPLATE_NAME,
-        extra_loaders=[DictLoader({OFFLINE_TEMPLATE_NAME: OFFLINE_TEMPLATE})],
-        embed_images=True,
-        exclude_input=hide_code,
-        exclude_input_prompt=hide_code,
-    )
-    nb = nbformat.read(str(notebook), as_version=4)
-    drop_widgets(nb)
-    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": Path(notebook).parent.name}})
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    _write_text(out_path, strip_remote_assets(body))
-    return out_path
 
 
 # ---------------------------------------------------------------- the page
@@ -426,12 +248,16 @@ nav ul { columns: 2; padding-left: 1.2rem; }
 section { background: #fff; border: 1px solid #e3e3e3; border-radius: 8px; padding: 1rem 1.5rem; margin: 1.5rem 0; }
 section.missing { background: #fbfbf8; border-style: dashed; }
 h2 { margin-top: .3rem; } h3 { margin-bottom: .3rem; font-size: 1.02rem; }
-.question { font-size: 1.1rem; font-style: italic; }
-.verdict { border-left: 4px solid #4e79a7; background: #f3f6fa; padding: .2rem 1rem; margin: 1rem 0; }
-.goals ul { list-style: none; padding-left: .5rem; } .goals li.met { color: #1e6b34; } .goals li.unmet { color: #a12a2a; }
+.question { font-size: 1.15rem; font-weight: 600; }
+.answer { border-left: 4px solid #4e79a7; background: #f3f6fa; padding: .4rem 1rem; margin: .8rem 0; }
+.verdict { border-left: 4px solid #bbb; padding: .1rem 1rem; margin: .6rem 0; } .verdict td:first-child { min-width: 18rem; }
+table.goals tr.met td:nth-child(4) { color: #1e6b34; font-weight: 600; }
+table.goals tr.not-met td:nth-child(4) { color: #a12a2a; font-weight: 600; }
+table.goals tr.not-measured td:nth-child(4), table.goals tr.malformed td:nth-child(4) { color: #8a6d00; }
 .badge { display: inline-block; padding: 0 .5rem; border-radius: 4px; font-size: .85rem; background: #eee; }
-.badge.failed { background: #f8d7da; } .badge.ok { background: #d4edda; }
-figure { margin: 1rem 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+.badge.failed, .badge.loaded { background: #f8d7da; } .badge.ok, .badge.quiet { background: #d4edda; }
+.badge.unknown { background: #fff3cd; }
+figure { margin: 1rem 0; } figure img { max-width: min(100%, 760px); height: auto; border: 1px solid #eee; }
 figcaption { color: #444; font-size: .92rem; }
 table { border-collapse: collapse; margin: .4rem 0 1rem; font-size: .88rem; display: block; overflow-x: auto; }
 th, td { border: 1px solid #ddd; padding: .2rem .5rem; text-align: left; vertical-align: top; }
@@ -442,42 +268,57 @@ details { margin: .6rem 0; } summary { cursor: pointer; font-weight: 600; }
 """
 
 
+def missing_html(question: Question, attempt: RunRecord | None) -> str:
+    why = ""
+    if attempt is not None:
+        state = ("is still running" if attempt.status == runs.STATUS_RUNNING
+                 else f"ended with status <b>{esc(attempt.status)}</b>")
+        why = f"<p>The latest attempt (<code>{esc(attempt.dir)}</code>) {state}.</p>"
+    return ("<p><b>No successful run yet.</b> Produce one with "
+            f"<code>{esc(run_command(question.name))}</code>, then rebuild this page with "
+            f"<code>decodelab report</code>.</p>{why}")
+
+
+def status_html(record: RunRecord, notebook_link: str | None) -> str:
+    """Status, profile, run id, load badge and the link to the executed notebook."""
+    state, load_text = answers.load_state(record.env)
+    return (f'<p class="status"><span class="badge {"ok" if record.ok else "failed"}">{esc(record.status)}</span> '
+            f'<span class="badge {state}">{esc(load_text)}</span> '
+            f'profile <b>{esc(record.env.get("profile") or "interactive")}</b> · <code>{esc(record.dir.name)}</code>'
+            + (f' · <a href="{esc(notebook_link)}">executed notebook</a>' if notebook_link else "") + "</p>")
+
+
+def metrics_html(metrics: dict) -> str:
+    """Every metric of metrics.json (goal rows and verdict aside) as tables, for the collapsed block."""
+    scalars, tables = split_metrics(metrics)
+    parts = [kv_table(scalars)] if scalars else []
+    parts += [f"<h3><code>{esc(key)}</code></h3>{html_table(rows)}" for key, rows in tables]
+    return "".join(parts) or "<p><i>No metrics recorded.</i></p>"
+
+
 def section_html(question: Question, record: RunRecord | None, notebook_link: str | None,
                  attempt: RunRecord | None = None) -> str:
+    """Answer first: question, answer, goal table, key figure, supporting numbers; the rest collapsed."""
     q = question
     cls = ' class="missing"' if record is None else ""
     head = f'<section id="{esc(q.name)}"{cls}><h2>{esc(q.title)}</h2><p class="question">{esc(q.question)}</p>'
     if record is None:
-        why = ""
-        if attempt is not None:
-            state = ("is still running" if attempt.status == runs.STATUS_RUNNING
-                     else f"ended with status <b>{esc(attempt.status)}</b>")
-            why = f"<p>The latest attempt (<code>{esc(attempt.dir)}</code>) {state}.</p>"
-        return (head + "<p><b>No successful run yet.</b> Produce one with "
-                f"<code>{esc(run_command(q.name))}</code>, then rebuild this page with "
-                f"<code>decodelab report</code>.</p>{why}</section>")
-    parts = [head]
-    status_class = "ok" if record.ok else "failed"
-    parts.append(f'<p><span class="badge {status_class}">{esc(record.status)}</span> '
-                 f'profile <b>{esc(record.env.get("profile") or "interactive")}</b> · '
-                 f'<code>{esc(record.dir.name)}</code>'
-                 + (f' · <a href="{esc(notebook_link)}">executed notebook</a>' if notebook_link else "")
-                 + "</p>")
-    parts.append(verdict_html(record.metrics.get("verdict")))
-    parts.append(goals_html(record.metrics.get("goals")))
+        return head + missing_html(q, attempt) + "</section>"
+    judged = answers.judge(record.metrics)
+    state, load_text = answers.load_state(record.env)
+    caution = f" <i>({esc(load_text)}.)</i>" if state == answers.LOADED else ""
+    parts = [head, status_html(record, notebook_link),
+             f'<p class="answer"><b>Answer.</b> {esc(judged.answer)}{caution}</p>',
+             answers.goal_table_html(judged.rows), verdict_html(record.metrics.get("verdict"))]
     figures = record.figures()
     headline = headline_stems(q, figures)
     if not figures:
         parts.append("<p><i>This run saved no figures.</i></p>")
-    for stem in headline:
-        parts.append(figure_html(stem, figures[stem], record.captions.get(stem, "")))
-    scalars, tables = split_metrics(record.metrics)
-    if scalars or tables:
-        parts.append("<h3>Key numbers (metrics.json)</h3>")
-        if scalars:
-            parts.append(kv_table(scalars))
-        for key, rows in tables:
-            parts.append(f"<h3><code>{esc(key)}</code></h3>{html_table(rows)}")
+    parts += [figure_html(stem, figures[stem], record.captions.get(stem, "")) for stem in headline]
+    numbers = answers.key_numbers(q, record.metrics)
+    if numbers:
+        parts.append(f"<h3>Numbers behind the answer</h3>{answers.numbers_table_html(numbers)}")
+    parts.append(f"<details><summary>All metrics (metrics.json)</summary>{metrics_html(record.metrics)}</details>")
     others = [s for s in figures if s not in headline]
     if others:
         inner = "".join(figure_html(s, figures[s], record.captions.get(s, "")) for s in others)
@@ -485,9 +326,16 @@ def section_html(question: Question, record: RunRecord | None, notebook_link: st
     parts.append(f"<details><summary>Provenance</summary>{kv_table(provenance(record))}"
                  f"<h3>Parameters</h3>{kv_table(sorted(record.params.items()))}"
                  f"<h3>Package versions</h3>{kv_table(sorted((record.env.get('packages') or {}).items()))}"
-                 "</details>")
-    parts.append("</section>")
+                 "</details></section>")
     return "".join(parts)
+
+
+def toc_note(record: RunRecord | None) -> str:
+    """'(2 of 3 goals met)' for the table of contents; '(not run yet)' without a run."""
+    if record is None:
+        return "(not run yet)"
+    judged = [g for g in answers.judge(record.metrics).goals if not g.moonshot]
+    return f"({sum(g.met is True for g in judged)} of {len(judged)} goals met)" if judged else "(no goal rows)"
 
 
 def render_page(selected: dict[str, RunRecord | None], links: dict[str, str], *,
@@ -495,10 +343,12 @@ def render_page(selected: dict[str, RunRecord | None], links: dict[str, str], *,
     """The whole index.html as a string (no I/O besides reading the figures)."""
     attempts = attempts or {}
     present = sum(r is not None for r in selected.values())
-    toc = "".join(
-        f'<li><a href="#{esc(n)}">{esc(QUESTIONS[n].title)}</a>{"" if selected.get(n) else " (not run yet)"}</li>'
-        for n in QUESTIONS
-    )
+    toc = "".join(f'<li><a href="#{esc(n)}">{esc(QUESTIONS[n].title)}</a> {esc(toc_note(selected.get(n)))}</li>'
+                  for n in QUESTIONS)
+    states = [answers.load_state(r.env)[0] for r in selected.values() if r is not None]
+    load_note = "".join(f" · {states.count(state)} {text}" for state, text in (
+        (answers.LOADED, "run(s) loaded: timings not comparable"), (answers.UNKNOWN, "run(s) without a load record"))
+        if states.count(state))
     sections = "".join(
         section_html(QUESTIONS[n], selected.get(n), links.get(n), attempts.get(n)) for n in QUESTIONS
     )
@@ -509,7 +359,7 @@ def render_page(selected: dict[str, RunRecord | None], links: dict[str, str], *,
         f"<title>decodelab report</title><style>{CSS}</style></head><body><main>"
         "<header><h1>decodelab: research report</h1>"
         f"<p>{present} of {len(QUESTIONS)} research questions have a run · built {esc(stamp)}"
-        + (f" from <code>{esc(root)}</code>" if root else "") + "</p>"
+        + (f" from <code>{esc(root)}</code>" if root else "") + esc(load_note) + "</p>"
         "<p>Each section shows the latest successful run of its notebook, unless runs were named "
         "on the command line.</p></header>"
         f"<nav><ul>{toc}</ul></nav>{sections}</main></body></html>\n"
@@ -539,14 +389,8 @@ def build_report(run_dirs=(), *, root: str | Path | None = None, out_dir: str | 
             except Exception as error:  # a broken notebook file must not take the page down
                 log(f"warning: could not export {record.notebook}: {type(error).__name__}: {error}")
     index = out_dir / "index.html"
-    _write_text(index, render_page(selected, links, attempts=attempts, root=root))
+    write_text(index, render_page(selected, links, attempts=attempts, root=root))
     return index
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- CLI entry points
