@@ -54,3 +54,11 @@ def test_headline_names_unmet_and_unmeasured_goals():
 def test_from_rows_rejects_rows_without_the_goal_fields():
     with pytest.raises(ValueError, match="lacks"):
         goals.from_rows([{"name": "a", "value": 1}])
+
+
+def test_a_value_just_past_its_target_never_prints_as_the_target():
+    goal = Goal.check("err", 0.1504, "<=", 0.15, label="roofline error", unit="%")
+    assert goal.met is False and "15.04% (target <= 15%)" in goal.describe()
+    assert goals.table([goal])[0]["value"] == "15.04%"
+    assert "1.70001x" in Goal.check("s", 1.700009, ">", 1.7, unit="x").describe()
+    assert goals.table([Goal.check("s", 1.7, ">=", 1.7, unit="x")])[0]["value"] == "1.7x"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -69,8 +70,9 @@ class Goal:
     def describe(self) -> str:
         """'label: 26% (target <= 15%), not met'."""
         label = self.label or self.name
-        value = "not measured" if self.value is None else format_value(self.value, self.unit)
-        text = f"{label}: {value} (target {self.op} {format_value(self.target, self.unit)})"
+        value, target = format_against(self.value, self.target, self.unit)
+        value = "not measured" if self.value is None else value
+        text = f"{label}: {value} (target {self.op} {target})"
         if self.ci is not None and self.estimate is not None:
             text += f"; estimate {format_value(self.estimate, self.unit)}, CI [{format_value(self.ci[0], self.unit)}, " \
                     f"{format_value(self.ci[1], self.unit)}]"
@@ -94,7 +96,7 @@ def _number(value: Any) -> float | bool | None:
     return value if math.isfinite(value) else None
 
 
-def format_value(value: Any, unit: str = "") -> str:
+def format_value(value: Any, unit: str = "", *, digits: int = 3) -> str:
     """A number as a reader sees it: 0.26 with unit "%" -> "26%", 1.214 with "x" -> "1.21x"."""
     if value is None:
         return "n/a"
@@ -102,11 +104,29 @@ def format_value(value: Any, unit: str = "") -> str:
         return "yes" if value else "no"
     value = float(value)
     if unit == "%":
-        return f"{value * 100:.1f}%" if abs(value) < 0.1 else f"{value * 100:.0f}%"
+        decimals = max(0, digits - 2) if abs(value) < 0.1 else max(0, digits - 3)
+        return f"{value * 100:.{decimals}f}%"
     if unit == "points":
-        return f"{value * 100:+.1f} points"
-    text = f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+        return f"{value * 100:+.{max(1, digits - 2)}f} points"
+    text = f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.{max(0, digits - 3)}f}"
     return f"{text}{'x' if unit == 'x' else (' ' + unit if unit else '')}"
+
+
+def format_against(value: Any, target: Any, unit: str = "") -> tuple[str, str]:
+    """(value, target) as printed, with as many digits as it takes for a value that differs from its
+    target not to print as the target (0.1504 against 0.15 -> "15.04%", not "15%")."""
+    goal = format_value(target, unit)
+    if value is None or isinstance(value, bool) or isinstance(target, bool) or float(value) == float(target):
+        return format_value(value, unit), goal
+    for digits in range(3, 9):
+        shown = format_value(value, unit, digits=digits)
+        if _printed_number(shown) != _printed_number(goal):
+            break
+    return shown, goal
+
+
+def _printed_number(text: str) -> float:
+    return float(re.sub(r"[^0-9.eE+-]", "", text.split(" ")[0].replace(",", "")) or "nan")
 
 
 def from_rows(rows: Any) -> list[Goal]:
@@ -153,8 +173,8 @@ def table(goals: list[Goal]) -> list[dict]:
     return [
         {
             "goal": g.label or g.name,
-            "value": "not measured" if g.value is None else format_value(g.value, g.unit),
-            "target": f"{g.op} {format_value(g.target, g.unit)}",
+            "value": "not measured" if g.value is None else format_against(g.value, g.target, g.unit)[0],
+            "target": f"{g.op} {format_against(g.value, g.target, g.unit)[1]}",
             "status": g.status + (" (moonshot)" if g.moonshot else ""),
             "note": g.note,
         }
