@@ -174,8 +174,25 @@ def test_check_fails_when_the_published_figure_is_not_the_runs(generated):
     assert any("speculation.png" in line for line in findings.check_readme(readme, root=root).stale)
 
 
-def test_check_on_a_clean_clone_names_the_missing_runs_and_passes(generated, tmp_path, capsys):
+def test_check_on_a_clean_clone_regenerates_from_the_published_records(generated, tmp_path):
     _, fake, readme = generated
+    empty = tmp_path / "clean-clone-results"
+    empty.mkdir()
+    published = readme.parent / "docs" / "findings" / findings.PUBLISHED
+    assert (published / "speculation" / fake["speculation"].name / "metrics.json").is_file()
+    result = findings.check_readme(readme, root=empty)
+    assert result.ok and result.missing == []
+    text = readme.read_text()
+    at = text.index("<!-- speculation run:")
+    readme.write_text(text[:at] + text[at:].replace("1 of 3 goals met", "2 of 3 goals met", 1))
+    assert any("findings entry speculation differs" in line for line in findings.check_readme(readme, root=empty).stale)
+
+
+def test_check_without_runs_or_records_names_the_missing_runs_and_passes(generated, tmp_path, capsys):
+    import shutil
+
+    _, fake, readme = generated
+    shutil.rmtree(readme.parent / "docs" / "findings" / findings.PUBLISHED)
     empty = tmp_path / "clean-clone-results"
     empty.mkdir()
     result = findings.check_readme(readme, root=empty)
@@ -184,6 +201,16 @@ def test_check_on_a_clean_clone_names_the_missing_runs_and_passes(generated, tmp
     assert f"bench: quickstart/{fake['quickstart'].name}" in result.missing
     assert findings.main(["--readme", str(readme), "--results", str(empty), "--check"]) == 0
     assert "not checked" in capsys.readouterr().out
+
+
+def test_publishing_keeps_only_the_records_the_readme_names(generated):
+    root, fake, readme = generated
+    published = readme.parent / "docs" / "findings" / findings.PUBLISHED
+    (published / "mtp" / "an-old-run").mkdir(parents=True)
+    findings.update_readme(readme, root=root)
+    assert not (published / "mtp" / "an-old-run").exists()
+    assert sorted(p.name for p in published.iterdir()) == ["quickstart", "sampling", "speculation"]
+    assert not (published / "speculation" / fake["speculation_failed"].name).exists()
 
 
 def test_check_names_newer_runs_without_failing(generated):
@@ -293,7 +320,8 @@ def test_main_refuses_loaded_runs_with_exit_code_2(tmp_path, capsys):
 
 # ---------------------------------------------------------------- the repository's README
 def test_repository_readme_blocks_match_the_runs_they_name():
-    """README.md's generated blocks name their runs; those present under results/ regenerate them exactly
-    (on a clean clone, where results/ holds no runs, only the naming is checked)."""
+    """README.md's generated blocks name their runs and regenerate exactly from them: from results/ where the
+    runs are here, else from the records `make findings` committed under docs/findings/runs/."""
     result = findings.check_readme(runs.repo_root() / "README.md", root=runs.results_root())  # writes nothing
     assert result.stale == [], "README.md is not what its runs give; run `make findings`:\n" + "\n".join(result.stale)
+    assert result.missing == [], f"runs named by README.md are neither in results/ nor published: {result.missing}"

@@ -15,8 +15,10 @@ README.md must contain, each on its own line, ``<!-- bench:start -->`` / ``<!-- 
 
 Each block names its runs in a comment line (``<!-- quickstart run: quickstart/<run-id> -->``), so
 ``--check`` can regenerate it from exactly those runs: a hand-edited number fails the check. Runs are
-not committed (results/ is ignored), so on a clean clone ``--check`` cannot regenerate a block: it says
-which runs are missing and passes. Publishing refuses timing figures from a run that was loaded (or
+not committed (results/ is ignored), so publishing also copies each named run's small files (env, params,
+metrics, captions, the bench table, the headline figure) to ``docs/findings/runs/<notebook>/<run-id>/``:
+on a clean clone ``--check`` regenerates the blocks from those committed records. A run found in neither
+place is listed as not checked. Publishing refuses timing figures from a run that was loaded (or
 did not record its load) unless ``--allow-loaded`` is given.
 """
 from __future__ import annotations
@@ -129,6 +131,42 @@ class LoadedRuns(ValueError):
     """Publishing would show timings from loaded runs (and --allow-loaded was not given)."""
 
 
+# ---------------------------------------------------------------- published run records
+PUBLISHED = "runs"  # docs/findings/runs/<notebook>/<run-id>/: what the README blocks were generated from
+RECORD_FILES = ("env.json", "params.json", "metrics.json", "figures/captions.json", "tables/throughput.csv",
+                "decode.csv", "decode.md")
+
+
+def publish_records(selected: dict[str, report.RunRecord | None], bench: BenchRun | None, root: Path,
+                    docs: Path) -> None:
+    """Copy the small files each block is generated from (and its headline figure) to docs/findings/runs/,
+    so `--check` can regenerate the README from committed records on a clean clone (results/ is not
+    committed). Records of runs the README no longer names are removed."""
+    published = docs / PUBLISHED
+    shutil.rmtree(published, ignore_errors=True)
+    sources = {source_of(record, root): record.dir for record in selected.values() if record is not None}
+    if bench is not None:
+        sources[bench.source] = root / bench.source
+    for source, run_dir in sources.items():
+        target = published / source
+        for name in RECORD_FILES:
+            if (run_dir / name).is_file():
+                (target / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(run_dir / name, target / name)
+    for name, (figure, _) in figure_targets(selected, docs).items():
+        target = published / source_of(selected[name], root) / "figures" / figure.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(figure, target)
+
+
+def locate(source: str, root: Path, docs: Path) -> Path | None:
+    """Where the run a block names lives: under the results root, else its published record, else None."""
+    for base in (root, docs / PUBLISHED):
+        if source != NO_RUN and (base / source).is_dir():
+            return base
+    return None
+
+
 # ---------------------------------------------------------------- README blocks
 def replace_block(text: str, block: str, *, start: str = START, end: str = END, source: str = "README.md") -> str:
     """Put `block` between the `start` and `end` marker lines of `text`; ValueError when they are missing."""
@@ -200,6 +238,7 @@ def update_readme(readme: str | Path, *, root: str | Path | None = None, profile
     for source, target in targets.values():
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
+    publish_records(selected, bench, root, docs)
     new = replace_block(text, render_bench(bench, profile), start=BENCH_START, end=BENCH_END, source=str(readme))
     new = replace_block(new, render_findings(selected, _links(targets, readme), profile, root), source=str(readme))
     if new != text:
@@ -249,7 +288,8 @@ def check_readme(readme: str | Path, *, root: str | Path | None = None, profile:
         result.stale.append("bench block names no run (typed by hand?): regenerate it with `make findings`")
     else:
         source = named[0][1]
-        bench = load_bench(source, root) if source != NO_RUN else None
+        base = locate(source, root, docs)
+        bench = load_bench(source, base) if base is not None else None
         latest = latest_bench(root, profile)
         if source != NO_RUN and bench is None:
             result.missing.append(f"bench: {source}")
@@ -268,14 +308,15 @@ def check_readme(readme: str | Path, *, root: str | Path | None = None, profile:
     for name, (source, entry) in entries.items():
         if name not in report.QUESTIONS:
             continue
-        record = report.load(root / source) if source != NO_RUN and (root / source).is_dir() else None
+        base = locate(source, root, docs)
+        record = report.load(base / source) if base is not None else None
         if source != NO_RUN and record is None:
             result.missing.append(f"{name}: {source}")
             continue
         selected[name] = record
         targets = figure_targets({name: record}, docs)
         regenerated = finding_md(report.QUESTIONS[name], record, _links(targets, readme).get(name), profile,
-                                 source_of(record, root))
+                                 source_of(record, base) if record is not None else NO_RUN)
         if regenerated.rstrip("\n") != entry.rstrip("\n"):
             result.stale.append(f"findings entry {name} differs from run {source}")
         for figure, target in targets.values():
