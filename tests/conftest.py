@@ -55,9 +55,15 @@ class SmokeRuns:
         return outcome
 
     def metrics(self, name: str) -> dict:
+        return self._json(name, "metrics.json")
+
+    def params(self, name: str) -> dict:
+        return self._json(name, "params.json")
+
+    def _json(self, name: str, file: str) -> dict:
         import json
 
-        return json.loads((self(name) / "metrics.json").read_text(encoding="utf-8"))
+        return json.loads((self(name) / file).read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="session")

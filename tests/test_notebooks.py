@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from decodelab import profiles, runs
+from decodelab import goals, profiles, runs
 
 NOTEBOOKS_DIR = runs.notebooks_dir()
 PRESENT = [name for name, file in runs.NOTEBOOKS.items() if (NOTEBOOKS_DIR / file).exists()]
@@ -80,7 +80,8 @@ def test_smoke_run_writes_the_results_contract(name, smoke_runs):
     for row in goal_rows:
         assert {"name", "value", "target", "op", "met"} <= set(row), f"goal row without value/target/op/met: {row}"
         assert row["met"] in (True, False, None)
-        assert row["met"] is None or row["value"] is not None
+        judged = None if row["value"] is None else bool(goals.OPS[row["op"]](row["value"], row["target"]))
+        assert row["met"] is judged, f"goal row whose met disagrees with value {row['op']} target: {row}"
     env = load(run_dir / "env.json")
     assert env["status"] == "ok" and env["profile"] == "smoke"
     assert env["packages"]["torch"] and "commit" in env["git"]

@@ -17,9 +17,7 @@ def metrics(smoke_runs):
 
 @pytest.fixture(scope="module")
 def params(smoke_runs):
-    import json
-
-    return json.loads((smoke_runs(NAME) / "params.json").read_text(encoding="utf-8"))
+    return smoke_runs.params(NAME)
 
 
 def test_every_finished_masked_output_validates_under_every_engine_on_smoke(metrics, params):

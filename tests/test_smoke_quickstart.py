@@ -1,6 +1,4 @@
 """Notebook 00's invariants on its smoke run: values that must hold at any size, never speed goals."""
-import json
-
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -15,7 +13,7 @@ def metrics(smoke_runs):
 
 @pytest.fixture(scope="module")
 def params(smoke_runs):
-    return json.loads((smoke_runs(NAME) / "params.json").read_text(encoding="utf-8"))
+    return smoke_runs.params(NAME)
 
 
 def test_greedy_rows_of_our_engine_equal_hf_generate_on_smoke(metrics):
