@@ -372,7 +372,7 @@ def test_loaded_run_and_unrecorded_load_are_marked(tmp_path):
 def test_load_above_core_count_is_loaded_even_without_the_flag():
     from decodelab import answers
 
-    assert answers.load_state({"load": {"cores": 2, "before": 1.0, "after": 2.5}})[0] == answers.LOADED
+    assert answers.load_state({"load": {"cores": 2, "before": 1.0, "after": 2.6}})[0] == answers.LOADED
     assert answers.load_state({"load": {"cores": 2, "peak_1min": 1.9}})[0] == answers.QUIET
     assert answers.load_state({"load": {"cores": 2}})[0] == answers.UNKNOWN
     assert answers.load_state({})[0] == answers.UNKNOWN

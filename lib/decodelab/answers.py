@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from decodelab import goals as goals_mod
+from decodelab.provenance import over_core_count
 
 STATEMENT_KEYS = ("verdict", "goals")  # metrics shown as statements, not as numbers
 MAX_LIST_ITEMS = 12
@@ -212,7 +213,8 @@ def _first(value: Any) -> float | None:
 def load_state(env: dict) -> tuple[str, str]:
     """(LOADED | QUIET | UNKNOWN, text) from env["load"] = {cores, before, after, peak_1min, loaded}.
 
-    Loaded when the runner said so or any recorded load exceeds the core count.
+    Loaded when any recorded load exceeds the core count by more than provenance.LOAD_MARGIN (the run's
+    own threads fill the cores); where no numbers were recorded, when the runner's flag says so.
     """
     load = env.get("load")
     if not isinstance(load, dict):
@@ -220,7 +222,8 @@ def load_state(env: dict) -> tuple[str, str]:
     cores = _first(load.get("cores"))
     seen = [x for x in (_first(load.get(k)) for k in ("before", "peak_1min", "after")) if x is not None]
     peak = max(seen) if seen else None
-    loaded = load.get("loaded") is True or (cores is not None and peak is not None and peak > cores)
+    # the recorded numbers are the evidence; the runner's flag only speaks where they are missing
+    loaded = over_core_count(peak, cores) if peak is not None and cores is not None else load.get("loaded") is True
     detail = f"peak load {peak:.2f} on {cores:.0f} cores" if peak is not None and cores is not None else ""
     if loaded:
         return LOADED, "loaded: timings not comparable" + (f" ({detail})" if detail else "")

@@ -5,7 +5,9 @@ build through `kernel_env`).
 
 Load tags: a run records the load average before and after, and the peak a background sampler saw
 while it ran (`LoadSampler`), as env.json["load"]; a run whose peak 1-minute load exceeded the core
-count is `is_loaded`: its timings are not comparable with a quiet run's.
+count by more than LOAD_MARGIN is `is_loaded`: its timings are not comparable with a quiet run's.
+A run that keeps every core busy brings the load to about the core count by itself (torch uses one
+thread per core), so only load beyond that comes from other work competing for the cores.
 """
 from __future__ import annotations
 
@@ -192,6 +194,14 @@ def load_now() -> list[float] | None:
         return None
 
 
+LOAD_MARGIN = 0.5  # runnable threads beyond the core count (a run's own threads fill the cores)
+
+
+def over_core_count(load_1min: float | None, cores: float | None) -> bool:
+    """Whether a 1-minute load average means other work competed with a run using every core."""
+    return load_1min is not None and cores is not None and load_1min > cores + LOAD_MARGIN
+
+
 def is_loaded(env: dict) -> bool:
     """Whether a run's env.json says its peak 1-minute load exceeded the core count (timings not
     comparable). False when the run recorded no load (older runs)."""
@@ -240,7 +250,7 @@ class LoadSampler:
             peak = self.peak_1min
             return {
                 "cores": self.cores, "before": self.before, "after": self.after, "peak_1min": peak,
-                "loaded": peak is not None and peak > self.cores, "samples": self.samples,
+                "loaded": over_core_count(peak, self.cores), "samples": self.samples,
                 "every_s": self.every_s,
             }
 
