@@ -325,3 +325,14 @@ def test_repository_readme_blocks_match_the_runs_they_name():
     result = findings.check_readme(runs.repo_root() / "README.md", root=runs.results_root())  # writes nothing
     assert result.stale == [], "README.md is not what its runs give; run `make findings`:\n" + "\n".join(result.stale)
     assert result.missing == [], f"runs named by README.md are neither in results/ nor published: {result.missing}"
+
+
+def test_verdict_lines_carry_the_interval_and_the_mdd_of_an_inconclusive_row():
+    row = {"claim": "min-p beats top-p at T=1", "finding": "inconclusive", "estimate": 0.0, "lo": -0.125,
+           "hi": 0.125, "mdd": 0.178, "unit": "points", "n_units": 32, "main": False}
+    line = answers.verdict_line(row)
+    assert line.startswith("min-p beats top-p at T=1: inconclusive")
+    assert "95% CI [-12.5 points, +12.5 points], 32 paired units; minimum detectable difference 17.8 points" in line
+    held = answers.verdict_line({**row, "finding": "a > b", "estimate": 0.133, "lo": 0.062, "hi": 0.211, "main": True})
+    assert held.startswith("**main** · ") and "minimum detectable" not in held
+    assert answers.verdict_line({"claim": "c", "finding": "inconclusive"}) == "c: inconclusive"

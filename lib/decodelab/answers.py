@@ -232,6 +232,23 @@ def load_state(env: dict) -> tuple[str, str]:
     return UNKNOWN, "load not recorded"
 
 
+def verdict_line(row: dict) -> str:
+    """A verdict record {claim, finding, estimate?, lo?, hi?, mdd?, unit?, main?} -> one line: the claim,
+    its finding, the estimate with its 95% interval, and the minimum detectable difference of an
+    inconclusive one (what the sample could have seen)."""
+    unit = row.get("unit") if row.get("unit") in goals_mod.UNITS else ""
+    show = lambda v: goals_mod.format_value(v, unit)  # noqa: E731
+    finding = row.get("finding", row.get("holds"))
+    text = f"{'**main** · ' if row.get('main') else ''}{row['claim']}: {fmt(finding)}"
+    if row.get("estimate") is not None and row.get("lo") is not None and row.get("hi") is not None:
+        text += f" (difference {show(row['estimate'])}, 95% CI [{show(row['lo'])}, {show(row['hi'])}]"
+        text += f", {row['n_units']} paired units" if row.get("n_units") else ""
+        if finding == "inconclusive" and row.get("mdd") is not None:
+            text += f"; minimum detectable difference {show(row['mdd']).lstrip('+')}"
+        text += ")"
+    return text
+
+
 # ---------------------------------------------------------------- rendering
 def esc(text: Any) -> str:
     return html.escape(str(text), quote=True)

@@ -64,7 +64,7 @@ def _verdict_item(item: Any) -> str:
     if isinstance(item, str):
         return item
     if isinstance(item, dict) and "claim" in item:
-        return f"{item['claim']}: {answers.fmt(item.get('finding', item.get('holds')))}"
+        return answers.verdict_line(item)
     if isinstance(item, dict):
         return "; ".join(f"{k}: {answers.fmt(v)}" for k, v in item.items() if answers.is_scalar(v))
     return answers.fmt(item)
