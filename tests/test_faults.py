@@ -339,3 +339,10 @@ def test_run_without_a_load_record_is_not_called_loaded():
 def test_load_now_reads_three_averages():
     load = provenance.load_now()
     assert load is None or (len(load) == 3 and all(v >= 0 for v in load))
+
+
+def test_the_recorded_loads_decide_loaded_not_the_stored_flag():
+    quiet_numbers = {"cores": 2, "before": [0.9, 1.0, 1.0], "peak_1min": 2.2, "after": [2.0, 1.8, 1.5], "loaded": True}
+    assert provenance.is_loaded({"load": quiet_numbers}) is False
+    assert provenance.is_loaded({"load": {**quiet_numbers, "after": [2.7, 2.0, 1.8], "loaded": False}}) is True
+    assert provenance.is_loaded({"load": {"loaded": True}}) is True  # only the flag: it speaks

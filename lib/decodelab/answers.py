@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from decodelab import goals as goals_mod
-from decodelab.provenance import over_core_count
+from decodelab.provenance import is_loaded
 
 STATEMENT_KEYS = ("verdict", "goals")  # metrics shown as statements, not as numbers
 MAX_LIST_ITEMS = 12
@@ -222,8 +222,7 @@ def load_state(env: dict) -> tuple[str, str]:
     cores = _first(load.get("cores"))
     seen = [x for x in (_first(load.get(k)) for k in ("before", "peak_1min", "after")) if x is not None]
     peak = max(seen) if seen else None
-    # the recorded numbers are the evidence; the runner's flag only speaks where they are missing
-    loaded = over_core_count(peak, cores) if peak is not None and cores is not None else load.get("loaded") is True
+    loaded = is_loaded(env)
     detail = f"peak load {peak:.2f} on {cores:.0f} cores" if peak is not None and cores is not None else ""
     if loaded:
         return LOADED, "loaded: timings not comparable" + (f" ({detail})" if detail else "")

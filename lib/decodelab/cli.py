@@ -91,10 +91,10 @@ def cmd_run(args) -> int:
         print(f"decodelab run: FAILED {failure}", file=sys.stderr)
         return 1
     except runs.RunInterrupted as stop:
-        print(
-            f"decodelab run: interrupted by {stop.signal_name} in {runs.describe_cell(stop.last_cell)}; "
-            f"the run directory keeps what it wrote: {stop.run_dir}", file=sys.stderr,
-        )
+        where = f"in {runs.describe_cell(stop.last_cell)}" if stop.last_cell else "before the first cell"
+        kept = (f"the run directory keeps what it wrote: {stop.run_dir}" if stop.run_dir
+                else "no run directory had been made yet")
+        print(f"decodelab run: interrupted by {stop.signal_name} {where}; {kept}", file=sys.stderr)
         return stop.exit_code
     return 0
 

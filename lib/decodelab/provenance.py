@@ -203,10 +203,16 @@ def over_core_count(load_1min: float | None, cores: float | None) -> bool:
 
 
 def is_loaded(env: dict) -> bool:
-    """Whether a run's env.json says its peak 1-minute load exceeded the core count (timings not
-    comparable). False when the run recorded no load (older runs)."""
+    """Whether a run's recorded load means its timings are not comparable: any of its 1-minute loads
+    (before, peak, after) above the core count by more than LOAD_MARGIN. The numbers are the evidence;
+    the runner's own `loaded` flag speaks only where they are missing. False when nothing was recorded."""
     load = (env or {}).get("load") or {}
-    return bool(load.get("loaded"))
+    first = lambda v: v[0] if isinstance(v, (list, tuple)) and v else v  # noqa: E731
+    seen = [x for x in (first(load.get(k)) for k in ("before", "peak_1min", "after")) if isinstance(x, (int, float))]
+    cores = load.get("cores")
+    if seen and isinstance(cores, (int, float)):
+        return over_core_count(max(seen), cores)
+    return load.get("loaded") is True
 
 
 class LoadSampler:
