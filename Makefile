@@ -1,4 +1,4 @@
-# decodelab: `make all` runs every notebook on the embedded model; `make test` runs the test suite.
+# decodelab: `make all` runs every notebook on the embedded model; `make test` lints, then runs the test suite.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,12 +6,12 @@ PROFILE ?= cpu
 NOTEBOOKS ?= quickstart speculation sampling mtp masking consistency
 STAMP := $(VENV)/.installed
 
-.PHONY: all setup test test-fast lab report findings bench clean
+.PHONY: all setup lint test test-fast lab report findings bench clean
 all: setup
 	@for nb in $(NOTEBOOKS); do \
 	  $(PY) -m decodelab run $$nb --profile $(PROFILE) || exit 1; \
 	done
-	$(PY) -m decodelab report
+	$(PY) -m decodelab report --profile $(PROFILE)
 
 setup: $(STAMP)
 
@@ -27,7 +27,10 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(PY) -m ipykernel install --sys-prefix --name decodelab --display-name "decodelab (Python 3)"
 	touch $(STAMP)
 
-test: setup
+lint: setup
+	$(PY) -m ruff check lib tests scripts data
+
+test: setup lint
 	$(PY) -m pytest -q tests
 
 test-fast: setup
@@ -37,7 +40,7 @@ lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 report: setup
-	$(PY) -m decodelab report
+	$(PY) -m decodelab report --profile $(PROFILE)
 
 findings: setup
 	$(PY) -m decodelab findings

@@ -56,7 +56,8 @@ SCHEMAS = [
     {"name": "user_roles", "fixed_keys": True,
      "prompt": "Create a user account as JSON: user (with name and email) and roles (a list drawn from "
                "admin, editor, viewer).",
-     "schema": obj({"user": obj({"name": text(), "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"}}),
+     "schema": obj({"user": obj({"name": text(),
+                                 "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"}}),
                     "roles": {"type": "array", "items": {"enum": ["admin", "editor", "viewer"]},
                               "minItems": 1, "maxItems": 3}})},
     {"name": "book_optional", "fixed_keys": False,

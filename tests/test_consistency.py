@@ -3,8 +3,16 @@ import numpy as np
 import pytest
 
 from decodelab.consistency import (
-    adaptive_stop, beta_confidence, early_stop_table, encode_answers, esc_stop, majority_vote, sequence_weights,
-    subset_votes, vote_accuracy_vs_n, weighted_vote,
+    adaptive_stop,
+    beta_confidence,
+    early_stop_table,
+    encode_answers,
+    esc_stop,
+    majority_vote,
+    sequence_weights,
+    subset_votes,
+    vote_accuracy_vs_n,
+    weighted_vote,
 )
 
 

@@ -4,7 +4,13 @@ import torch
 
 from decodelab import engine
 from decodelab.drafters import (
-    DraftContext, Drafter, LayerSkipDrafter, ModelDrafter, NGramDrafter, check_same_tokenizer, truncated_model,
+    DraftContext,
+    Drafter,
+    LayerSkipDrafter,
+    ModelDrafter,
+    NGramDrafter,
+    check_same_tokenizer,
+    truncated_model,
 )
 
 

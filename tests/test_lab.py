@@ -194,7 +194,8 @@ def test_decodelab_kernel_imports_the_package(lab):
     kernel = lab.api("POST", "/api/kernels", json={"name": KERNEL})
     try:
         assert kernel["name"] == KERNEL
-        out, status = execute(lab, kernel["id"], "import decodelab, sys; print(decodelab.__name__); print(sys.executable)")
+        out, status = execute(lab, kernel["id"],
+                              "import decodelab, sys; print(decodelab.__name__); print(sys.executable)")
         assert status == "ok", out
         name, executable = out.split()
         assert name == "decodelab"

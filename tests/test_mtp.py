@@ -68,7 +68,8 @@ def test_sequential_backward_grads_allclose_joint_backward(style, n_heads):
 
 def test_training_loss_decreases():
     model = small("gloeckle", n_heads=2)
-    result = mtp_train.train(model, patterned_blocks(), mtp_train.TrainConfig(steps=20, batch_size=8, lr=1e-2, warmup=2))
+    result = mtp_train.train(model, patterned_blocks(),
+                             mtp_train.TrainConfig(steps=20, batch_size=8, lr=1e-2, warmup=2))
     assert sum(result.losses[-3:]) / 3 < 0.7 * sum(result.losses[:3]) / 3
 
 
@@ -270,7 +271,8 @@ def test_data_parallel_training_matches_one_process(tmp_path, monkeypatch):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     monkeypatch.setenv("DECODELAB_CACHE", env["DECODELAB_CACHE"])
     mtp_train.main(["--out", str(tmp_path / "one"), *args])
-    subprocess.run([torchrun, "--nproc_per_node", "2", "-m", "decodelab.mtp_train", "--out", str(tmp_path / "two"), *args],
+    subprocess.run([torchrun, "--nproc_per_node", "2", "-m", "decodelab.mtp_train",
+                    "--out", str(tmp_path / "two"), *args],
                    check=True, env=env, capture_output=True)
     one, two = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("one", "two"))
     assert (one["processes"], two["processes"]) == (1, 2)

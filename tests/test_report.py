@@ -269,7 +269,8 @@ def test_executed_notebook_exported_and_linked(built):
     assert "answer 42" in exported and ">print<" in exported
     # widget outputs (tqdm bars, sliders) cannot render offline: dropped, with their saved state
     assert "widget-view" not in exported and "widget-state" not in exported and "progress:" not in exported
-    assert any(tag == "img" and attrs.get("src", "").startswith("data:image/png") for tag, attrs in parse(exported).tags)
+    assert any(tag == "img" and attrs.get("src", "").startswith("data:image/png")
+               for tag, attrs in parse(exported).tags)
 
 
 def test_hide_code_drops_inputs_but_keeps_outputs(tmp_path):
@@ -381,7 +382,8 @@ def test_load_above_core_count_is_loaded_even_without_the_flag():
 def test_provenance_lists_profile_model_commit_versions_hardware(built):
     _, fake, _, page = built
     spec = section(page, "speculation")
-    for text in ("<th>profile</th><td>cpu</td>", "<th>machine load</th><td>quiet (peak load 0.77 on 2 cores)</td>", "<th>model</th><td>smollm2-135m</td>", "0123456789ab",
+    for text in ("<th>profile</th><td>cpu</td>", "<th>machine load</th><td>quiet (peak load 0.77 on 2 cores)</td>",
+                 "<th>model</th><td>smollm2-135m</td>", "0123456789ab",
                  "<th>torch</th><td>2.13.0</td>", "Fake CPU @ 2.0GHz (2 cores)", "<th>wall time (s)</th><td>12.5</td>",
                  str(fake["speculation"])):
         assert text in spec

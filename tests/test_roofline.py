@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from decodelab import roofline
-from decodelab.roofline import Hardware, ModelShape, SHAPES
+from decodelab.roofline import SHAPES, Hardware, ModelShape
 
 
 def test_expected_tokens_matches_leviathan_limits():
@@ -35,7 +35,8 @@ def test_fit_recovers_the_hardware_that_made_the_step_times(combine):
 def test_shape_from_config_counts_every_matmul_weight():
     from decodelab.models import tiny_config
 
-    config = tiny_config(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    config = tiny_config(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                         intermediate_size=128)
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(config)
@@ -48,7 +49,10 @@ def test_shape_from_config_counts_every_matmul_weight():
 def test_speculation_wins_at_batch_one_and_loses_at_large_batch_on_h100():
     hw = roofline.spec_sheet("H100-SXM")
     target, draft = SHAPES["Qwen2.5-7B"], SHAPES["Qwen2.5-0.5B"]
-    at = lambda b: roofline.speculative_speedup(target, hw, b, alpha=0.7, k=4, context=1024, draft=draft)
+
+    def at(b):
+        return roofline.speculative_speedup(target, hw, b, alpha=0.7, k=4, context=1024, draft=draft)
+
     assert at(1) > 1.3
     assert at(4096) < 1.0
     cross = roofline.crossover_batch(at)
@@ -74,7 +78,8 @@ def test_70b_needs_several_gpus_and_the_kv_cache_caps_the_batch():
     assert n >= 4 and SHAPES["Llama-3-70B"].weight_bytes <= 0.5 * h100.tensor_parallel(n).memory
     b = roofline.max_batch(SHAPES["Qwen2.5-7B"], h100, 1024)
     kv = b * 1024 * SHAPES["Qwen2.5-7B"].kv_bytes_per_token
-    assert kv + SHAPES["Qwen2.5-7B"].weight_bytes <= h100.memory < kv + SHAPES["Qwen2.5-7B"].weight_bytes + 1024 * SHAPES["Qwen2.5-7B"].kv_bytes_per_token
+    shape = SHAPES["Qwen2.5-7B"]
+    assert kv + shape.weight_bytes <= h100.memory < kv + shape.weight_bytes + 1024 * shape.kv_bytes_per_token
 
 
 def test_two_calibration_points_narrow_the_fit_to_peak_and_overhead():
@@ -87,7 +92,8 @@ def test_two_calibration_points_narrow_the_fit_to_peak_and_overhead():
     np.testing.assert_allclose(roofline.step_time(shape, fit.hardware, b, n, s), t, rtol=1e-6)
     one = roofline.fit_hardware(shape, b[:1], n[:1], s[:1], t[:1])
     assert one.parameters == ("overhead",)
-    assert roofline.step_time(shape, one.hardware, 2, 9, 300) == pytest.approx(t[0])  # every step costs the one measured
+    # every step costs the one measured
+    assert roofline.step_time(shape, one.hardware, 2, 9, 300) == pytest.approx(t[0])
     with pytest.raises(ValueError, match="need >= 1 measured step"):
         roofline.fit_hardware(shape, [], [], [], [])
 

@@ -155,7 +155,8 @@ def test_per_row_parameter_tensor_equals_scalar_per_row(name):
         assert_same_filtering(together[i : i + 1], fn(logits[i : i + 1], v))
 
 
-@pytest.mark.parametrize("fn,off", [(top_k_filter, 0), (top_p_filter, 1.0), (min_p_filter, 0.0), (typical_filter, 1.0), (epsilon_filter, 0.0), (eta_filter, 0.0), (apply_temperature, 1.0)])
+@pytest.mark.parametrize("fn,off", [(top_k_filter, 0), (top_p_filter, 1.0), (min_p_filter, 0.0), (typical_filter, 1.0),
+                                    (epsilon_filter, 0.0), (eta_filter, 0.0), (apply_temperature, 1.0)])
 def test_disabled_rows_pass_through_unchanged(fn, off):
     logits = random_logits(4)
     logits[:, :3] = -1e4  # probability underflows to exactly 0: still kept by a disabled filter
@@ -240,7 +241,8 @@ def grid_frequencies(logits_row, n=20000):
     return torch.bincount(tokens, minlength=logits_row.shape[-1]).double() / n
 
 
-@pytest.mark.parametrize("cfg", [SamplerConfig(), SamplerConfig(temperature=0.7, top_p=0.8), SamplerConfig(min_p=0.2, temperature=2.0)], ids=lambda c: c.label())
+@pytest.mark.parametrize("cfg", [SamplerConfig(), SamplerConfig(temperature=0.7, top_p=0.8),
+                                 SamplerConfig(min_p=0.2, temperature=2.0)], ids=lambda c: c.label())
 def test_inverse_cdf_on_a_grid_reproduces_probs_exactly(cfg):
     logits = random_logits(13, batch=1, vocab=12, scale=1.5)
     s = Sampler(cfg)

@@ -20,7 +20,8 @@ def test_matched_quality_diff_reads_both_frontiers_at_the_same_diversity():
     rows = []
     for unit in range(6):
         # sampler a: quality = 1 - x; sampler b: quality = 0.8 - x (worse by 0.2 at every diversity)
-        for setting, (name, x, offset) in enumerate([("a", 0.2, 1.0), ("a", 0.6, 1.0), ("b", 0.1, 0.8), ("b", 0.7, 0.8)]):
+        settings = [("a", 0.2, 1.0), ("a", 0.6, 1.0), ("b", 0.1, 0.8), ("b", 0.7, 0.8)]
+        for setting, (name, x, offset) in enumerate(settings):
             rows.append(dict(setting=setting, sampler=name, unit=unit, x=x, q=offset - x))
     d = sampling_study.matched_quality_diff(pd.DataFrame(rows), "a", "b", "x", "q", 0.4, n_boot=50)
     assert d["difference"] == pytest.approx(0.2)
@@ -62,9 +63,10 @@ def test_run_grid_pairs_generator_streams_across_settings(tiny):
 
 
 def test_run_grid_matches_engine_generate_row_for_row(tiny):
+    import torch
+
     from decodelab.engine import generate
     from decodelab.sampling import Sampler
-    import torch
 
     prompts = [[5, 6, 7], [8, 9]]
     settings = [sampling_study.Setting("top_p", 0.8, 1.3), sampling_study.Setting("greedy", None, 0.0)]
@@ -208,7 +210,8 @@ def test_check_settings_reproduce_their_references_row_for_row(tiny):
 def test_tuned_per_unit_pairs_on_units_and_rejects_uneven_grids():
     import pandas as pd
 
-    rows = [dict(setting=s, sampler="min_p", param=p, temperature=1.0, order="hf", unit=u, sample=0, correct=float(u % 2))
+    rows = [dict(setting=s, sampler="min_p", param=p, temperature=1.0, order="hf", unit=u, sample=0,
+                 correct=float(u % 2))
             for s, p in enumerate((0.05, 0.1)) for u in range(4)]
     tuned = sampling_study.tuned_per_unit(pd.DataFrame(rows), "correct")
     values, chosen = tuned[("min_p", 1.0, "hf")]

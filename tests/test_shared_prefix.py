@@ -3,7 +3,12 @@ import pytest
 import torch
 
 from decodelab.shared_prefix import (
-    SharedPrefixKVCache, analytic_kv_bytes, expand_counts, generate_shared, merge_attention, partial_attention,
+    SharedPrefixKVCache,
+    analytic_kv_bytes,
+    expand_counts,
+    generate_shared,
+    merge_attention,
+    partial_attention,
     shared_prefix_attention,
 )
 from decodelab.transformer import grouped_attention
@@ -163,7 +168,8 @@ def test_shared_cache_overflow_is_an_error(tiny):
 
 def test_half_precision_inputs_are_computed_in_float32():
     g = torch.Generator().manual_seed(0)
-    q, pk, pv = torch.randn(4, 4, 1, 16, generator=g), torch.randn(1, 2, 50, 16, generator=g), torch.randn(1, 2, 50, 16, generator=g)
+    q = torch.randn(4, 4, 1, 16, generator=g)
+    pk, pv = torch.randn(1, 2, 50, 16, generator=g), torch.randn(1, 2, 50, 16, generator=g)
     sk, sv = torch.randn(4, 2, 3, 16, generator=g), torch.randn(4, 2, 3, 16, generator=g)
     mask = torch.ones(4, 1, 3, dtype=torch.bool)
     exact = shared_prefix_attention(q, pk, pv, sk, sv, mask, row_counts=[4])

@@ -57,7 +57,7 @@ def test_retrofit_is_reported_by_its_new_heads_on_smoke(metrics):
     assert "retrofit_val_loss" not in metrics
     frozen = metrics["frozen_next_token_val_loss"]
     assert set(metrics["retrofit"]) == set(frozen["configs"])
-    for name, entry in metrics["retrofit"].items():
+    for entry in metrics["retrofit"].values():
         assert 0.0 <= entry["head_2_accuracy"] <= 1.0
         assert entry["head_loss"][0] == frozen["mean"]  # head 1 is the frozen model's own, shared
         assert all(d["tau"] >= 1.0 and d["greedy_match"] is True for d in entry["draft"])

@@ -72,7 +72,8 @@ def _exact_output_distribution(p_tree, q_tree, k, vocab, deterministic):
 def _target_joint(p_tree, k, vocab):
     joint = torch.zeros((vocab,) * (k + 1), dtype=torch.float64)
     for seq in itertools.product(range(vocab), repeat=k + 1):
-        joint[seq] = float(torch.tensor([float(p_tree[seq[:i]][seq[i]]) for i in range(k + 1)], dtype=torch.float64).prod())
+        steps = [float(p_tree[seq[:i]][seq[i]]) for i in range(k + 1)]
+        joint[seq] = float(torch.tensor(steps, dtype=torch.float64).prod())
     return joint
 
 
@@ -116,10 +117,14 @@ def test_greedy_verify_accepts_longest_matching_prefix():
 
 from decodelab import engine, speculative  # noqa: E402
 from decodelab.drafters import (  # noqa: E402
-    LayerSkipDrafter, ModelDrafter, NGramDrafter, make_drafter, truncated_model,
+    LayerSkipDrafter,
+    ModelDrafter,
+    NGramDrafter,
+    make_drafter,
+    truncated_model,
 )
 from decodelab.models import tiny_model  # noqa: E402
-from decodelab.roofline import ModelShape, step_time, Hardware  # noqa: E402
+from decodelab.roofline import Hardware, ModelShape, step_time  # noqa: E402
 from decodelab.sampling import Sampler, SamplerConfig  # noqa: E402
 
 
@@ -315,7 +320,8 @@ def test_needs_hidden_drafters_get_the_targets_state_of_every_cached_position(ti
     rec = _HiddenRecorder()
     if k != 3:  # a policy alternating plain steps and k = 2: hidden states of plain steps must pile up
         k = speculative.AdaptivePolicy(lambda b, n, s: 1.0)
-        k.choose_k = lambda n_active, context, _it=iter([0, 0, 2] * 20): next(_it)
+        schedule = iter([0, 0, 2] * 20)
+        k.choose_k = lambda n_active, context: next(schedule)
     out = speculative.generate(tiny, prompts, rec, k=k, max_new_tokens=12, eos_token_ids=[])
     tr = tiny.transformer
     for b, prompt in enumerate(prompts):
@@ -352,7 +358,8 @@ def test_interleaved_method_runs_keep_plain_greedy_tokens_and_the_fastest_round(
     rows = speculative_bench.run_methods(tiny, prompts, [("ngram", NGramDrafter, 2)], max_new_tokens=8,
                                          eos_token_ids=[], repeats=2)
     assert [r["drafter"] for r in rows] == ["plain", "ngram"] and rows[0]["speedup"] == 1.0
-    assert rows[1]["tokens"] == rows[0]["tokens"] == engine.generate(tiny, prompts, max_new_tokens=8, eos_token_ids=[]).tokens
+    plain = engine.generate(tiny, prompts, max_new_tokens=8, eos_token_ids=[]).tokens
+    assert rows[1]["tokens"] == rows[0]["tokens"] == plain
     calib = speculative_bench.measure_step_times(tiny, [1, 2], (1, 3), context=8, repeats=3)
     assert all(r["seconds"] <= r["seconds_median"] for r in calib) and len(calib) == 4
 
@@ -462,7 +469,8 @@ def test_goals_the_run_could_not_measure_are_not_measured():
 def test_goals_are_judged_against_their_targets_from_the_sweep():
     from decodelab import speculative_bench
 
-    hf = [{"impl": "ours", "method": "ngram", "tokens_per_s": 30.0}, {"impl": "hf", "method": "ngram", "tokens_per_s": 20.0}]
+    hf = [{"impl": "ours", "method": "ngram", "tokens_per_s": 30.0},
+          {"impl": "hf", "method": "ngram", "tokens_per_s": 20.0}]
     goals = {g.name: g for g in speculative_bench.speculation_goals(
         _sweep_rows(), drafters=["ngram"], grid_category="code_edit", hf_rows=hf, heldout_error=0.2, insample_error=0.1,
         n_heldout=3)}
@@ -471,7 +479,8 @@ def test_goals_are_judged_against_their_targets_from_the_sweep():
     largest = goals["adaptive_vs_plain_at_largest_batch_ngram"]
     assert largest.value == pytest.approx(0.9 * 1.8 / 4) and largest.met is False and "batch 4" in largest.label
     assert goals["adaptive_fraction_of_best_fixed_k_b1_ngram"].value == pytest.approx(0.9)
-    assert goals["roofline_heldout_error"].met is False and "in-sample error 10%" in goals["roofline_heldout_error"].note
+    heldout = goals["roofline_heldout_error"]
+    assert heldout.met is False and "in-sample error 10%" in heldout.note
 
 
 def test_trend_sentences_say_falls_only_when_the_speedup_falls_with_batch():

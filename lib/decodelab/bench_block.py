@@ -151,7 +151,7 @@ def render_bench(bench: BenchRun | None, profile: str) -> str:
     state, load_text = answers.load_state(bench.env)
     new_tokens = bench.params.get("max_new_tokens")
     repeats = {r.get("ours_repeats") for r in bench.rows} - {None}
-    intro = (f"Greedy decoding of the same chat prompts on both sides, "
+    intro = ("Greedy decoding of the same chat prompts on both sides, "
              + (f"{new_tokens} new tokens per row, " if new_tokens is not None else "")
              + (f"fastest of {min(repeats):.0f} interleaved calls per side, " if len(repeats) == 1 else "")
              + f"our engine vs `transformers` `generate()` on `{bench.params.get('model', 'unknown model')}`, "

@@ -169,7 +169,8 @@ def encode_answers(answers: Sequence[Hashable | None]) -> tuple[np.ndarray, list
     return np.asarray(codes, dtype=int), list(values)
 
 
-def subset_votes(codes: np.ndarray, subsets: np.ndarray, n_values: int, weights: np.ndarray | None = None) -> np.ndarray:
+def subset_votes(codes: np.ndarray, subsets: np.ndarray, n_values: int,
+                 weights: np.ndarray | None = None) -> np.ndarray:
     """Vectorized `majority_vote` over many subsets of one pool.
 
     codes: (N,) from `encode_answers`; subsets: (S, n) pool indices, each row in stream order;

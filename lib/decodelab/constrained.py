@@ -22,8 +22,17 @@ from dataclasses import dataclass, field
 import torch
 
 from decodelab.jump_forward import forced_tokens, retokenize_forward
-from decodelab.masks import (BatchMasker, Constraint, ConstraintError, MaskEngine, UnsupportedConstraint,
-                             allocate_bitmask, apply_bitmask, make_engine, replay_mask_times)
+from decodelab.masks import (
+    BatchMasker,
+    Constraint,
+    ConstraintError,
+    MaskEngine,
+    UnsupportedConstraint,
+    allocate_bitmask,
+    apply_bitmask,
+    make_engine,
+    replay_mask_times,
+)
 
 JUMP_FORWARD = ("off", "tokens", "retokenize")
 __all__ = ["Constraint", "ConstraintError", "UnsupportedConstraint", "make_engine", "generate", "validate_output",
@@ -106,7 +115,8 @@ def generate(model, prompts: list[list[int]], constraint: Constraint | list[Cons
     extra = max_new_tokens + 1 if jump_forward != "off" else 0
     cache, logits = prefill(tr, prompts, max_new_tokens=max_new_tokens, extra=extra)
     synchronize(tr.device)
-    result = ConstrainedResult([[] for _ in prompts], [], [False] * batch, [], 0, 0, prefill_s=time.perf_counter() - start)
+    result = ConstrainedResult([[] for _ in prompts], [], [False] * batch, [], 0, 0,
+                               prefill_s=time.perf_counter() - start)
     done = [False] * batch
     rows = list(range(batch))  # original row of each cache / logits row (finished rows are dropped)
     while True:
@@ -149,7 +159,8 @@ def generate(model, prompts: list[list[int]], constraint: Constraint | list[Cons
         result.step_s.append(time.perf_counter() - start)
         result.forward_passes += 1
     stops = set(engine.stop_token_ids)
-    result.texts = [tokenizer.decode([t for t in row if t not in stops]) if tokenizer is not None else "" for row in result.tokens]
+    result.texts = [tokenizer.decode([t for t in row if t not in stops]) if tokenizer is not None else ""
+                    for row in result.tokens]
     result.valid = [f and validate_output(c, text) for f, c, text in zip(result.finished, constraints, result.texts)]
     return result
 
@@ -220,12 +231,14 @@ def load_schemas(path=None, names: list[str] | None = None) -> list[dict]:
         if isinstance(item, dict) and "schema" in item:
             entry = dict(item)
         else:
-            entry = {"name": (item.get("title") if isinstance(item, dict) else None) or f"schema_{index}", "schema": item}
+            entry = {"name": (item.get("title") if isinstance(item, dict) else None) or f"schema_{index}",
+                     "schema": item}
         try:
             Constraint.json(entry["schema"], name=str(entry["name"]))
         except ConstraintError as error:
             raise ValueError(f"schemas_file={str(path)!r}, entry {index} ({entry['name']!r}): {error}") from None
-        entry.setdefault("prompt", "Reply with a JSON object that matches this JSON schema: " + json.dumps(entry["schema"]))
+        entry.setdefault("prompt",
+                         "Reply with a JSON object that matches this JSON schema: " + json.dumps(entry["schema"]))
         entry.setdefault("fixed_keys", _has_fixed_keys(entry["schema"]))
         entries.append(entry)
     by_name = {e["name"]: e for e in entries}
@@ -425,7 +438,8 @@ def field_two_sample(schema: dict, masked: list[dict], free: list[dict], *, perm
         hits = 0
         for _ in range(permutations):
             perm = rng.permutation(len(pooled))
-            hits += _tv_samples([pooled[i] for i in perm[: len(a)]], [pooled[i] for i in perm[len(a):]]) >= observed - 1e-12
+            permuted = _tv_samples([pooled[i] for i in perm[: len(a)]], [pooled[i] for i in perm[len(a):]])
+            hits += permuted >= observed - 1e-12
         rows.append({"field": key, "kind": kind, "n_masked": len(a), "n_free_valid": len(b), "tv": observed,
                      "p_value": (hits + 1) / (permutations + 1)})
     return rows

@@ -103,7 +103,8 @@ def run_corrector(trie: TokenTrie, method: str, target: dict[str, float], budget
 
     def record():
         est = estimate_from_counts(counts, n, strings)
-        rows.append({"method": method, "forward_passes": cost, "samples": n, "kl": kl(target, est), "tv": tv(target, est)})
+        rows.append({"method": method, "forward_passes": cost, "samples": n,
+                     "kl": kl(target, est), "tv": tv(target, est)})
 
     if method in ("smc", "importance"):
         threshold = 0.0 if method == "importance" else ess_threshold

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 # ---------------------------------------------------------------- the token trie
 
 @dataclass
@@ -108,7 +107,8 @@ def token_bytes_table(tokenizer, vocab_size: int | None = None) -> list[bytes | 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     decoded = info.decoded_vocab
-    return [None if i in special or i >= len(decoded) or not decoded[i] else bytes(decoded[i]) for i in range(vocab_size)]
+    return [None if i in special or i >= len(decoded) or not decoded[i] else bytes(decoded[i])
+            for i in range(vocab_size)]
 
 
 def build_trie(strings: list[str], token_bytes: list[bytes | None], stop_token_ids: list[int], *,
@@ -121,7 +121,8 @@ def build_trie(strings: list[str], token_bytes: list[bytes | None], stop_token_i
     if not strings:
         raise ValueError("strings=[] must hold at least one string")
     if len(set(strings)) != len(strings):
-        raise ValueError(f"strings must be distinct; duplicates: {sorted({s for s in strings if strings.count(s) > 1})}")
+        duplicates = sorted({s for s in strings if strings.count(s) > 1})
+        raise ValueError(f"strings must be distinct; duplicates: {duplicates}")
     by_bytes: dict[bytes, list[int]] = {}
     for token, piece in enumerate(token_bytes):
         if piece:

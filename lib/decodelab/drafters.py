@@ -300,7 +300,8 @@ class CachedModelDrafter(DrafterBase):
             probs.append(q)
             if i < k - 1:
                 logits = self._logits(token[:, None])
-        return DraftProposal(tokens=torch.stack(drafts, 1), probs=None if ctx.sampler is None else torch.stack(probs, 1))
+        return DraftProposal(tokens=torch.stack(drafts, 1),
+                             probs=None if ctx.sampler is None else torch.stack(probs, 1))
 
     def rollback(self, n_accepted: torch.Tensor) -> None:
         # the cache holds base + (k - 1) drafts; keep the accepted ones (the k-th was never fed)

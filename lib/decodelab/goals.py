@@ -74,8 +74,8 @@ class Goal:
         value = "not measured" if self.value is None else value
         text = f"{label}: {value} (target {self.op} {target})"
         if self.ci is not None and self.estimate is not None:
-            text += f"; estimate {format_value(self.estimate, self.unit)}, CI [{format_value(self.ci[0], self.unit)}, " \
-                    f"{format_value(self.ci[1], self.unit)}]"
+            text += (f"; estimate {format_value(self.estimate, self.unit)}, "
+                     f"CI [{format_value(self.ci[0], self.unit)}, {format_value(self.ci[1], self.unit)}]")
         return text
 
     def to_row(self) -> dict:

@@ -42,7 +42,8 @@ class UnsupportedConstraint(ConstraintError):
 
 @dataclass(frozen=True)
 class Constraint:
-    """What an output must match. kind: "json" (spec: schema dict), "regex" (spec: pattern), "choices" (spec: strings)."""
+    """What an output must match. kind: "json" (spec: schema dict), "regex" (spec: pattern),
+    "choices" (spec: strings)."""
 
     kind: str
     spec: Any = field(hash=False)
@@ -251,7 +252,8 @@ class XGrammarEngine(MaskEngine):
             return self.compiler.compile_regex(constraint.pattern), None
         except (RuntimeError, ValueError, TypeError) as error:
             raise UnsupportedConstraint(
-                f"engine 'xgrammar' cannot compile {constraint.kind} constraint {constraint.name or _short(constraint.spec)}: "
+                f"engine 'xgrammar' cannot compile {constraint.kind} constraint "
+                f"{constraint.name or _short(constraint.spec)}: "
                 f"{str(error).splitlines()[0][:300]}"
             ) from None
 
@@ -505,7 +507,8 @@ class _NaiveJsonMatcher(Matcher):
         return ""
 
 
-def make_engine(name: str, tokenizer, vocab_size: int | None = None, stop_token_ids: list[int] | None = None) -> MaskEngine:
+def make_engine(name: str, tokenizer, vocab_size: int | None = None,
+                stop_token_ids: list[int] | None = None) -> MaskEngine:
     """Engine by name: one of ENGINES."""
     classes = {"xgrammar": XGrammarEngine, "llguidance": LLGuidanceEngine, "naive": NaiveEngine}
     if name not in classes:

@@ -16,10 +16,10 @@ import importlib.util
 import math
 import re
 from collections import Counter
-from statistics import NormalDist
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from statistics import NormalDist
 from typing import Callable, Sequence
 
 import numpy as np
@@ -171,7 +171,8 @@ def continuation_nll(
     device = next(hf_model.parameters()).device
     out = torch.full((len(prompts),), float("nan"))
     for start in range(0, len(prompts), batch_size):
-        rows = [list(p) + list(c) for p, c in zip(prompts[start : start + batch_size], continuations[start : start + batch_size])]
+        rows = [list(p) + list(c)
+                for p, c in zip(prompts[start : start + batch_size], continuations[start : start + batch_size])]
         width = max(len(r) for r in rows)
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -189,7 +190,8 @@ def continuation_nll(
     return out
 
 
-def judge_nll(judge, prompt_texts: Sequence[str], continuation_texts: Sequence[str], batch_size: int = 16) -> torch.Tensor:
+def judge_nll(judge, prompt_texts: Sequence[str], continuation_texts: Sequence[str],
+              batch_size: int = 16) -> torch.Tensor:
     """Mean token NLL of each continuation text under a judge `LoadedModel`, given the prompt as a chat
     user turn in the judge's own template (so any judge tokenizer works). -> (N,)"""
     tok = judge.tokenizer

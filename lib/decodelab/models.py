@@ -331,4 +331,5 @@ def tiny_model(seed: int = 0, *, dtype: torch.dtype = torch.float32, init_std: f
         hf_model = LlamaForCausalLM(config).to(dtype).eval()
     finally:
         torch.random.set_rng_state(generator_state)
-    return LoadedModel(name=f"tiny-{seed}", hf_model=hf_model, tokenizer=None, transformer=Transformer.from_hf(hf_model))
+    return LoadedModel(name=f"tiny-{seed}", hf_model=hf_model, tokenizer=None,
+                       transformer=Transformer.from_hf(hf_model))

@@ -303,7 +303,8 @@ def load_checkpoint(directory: str | Path, *, device: str | torch.device | None 
         model = MTPModel(trunk, config, frozen_trunk=True)
         load_safetensors(model.heads, str(directory / "heads.safetensors"))
     else:
-        trunk_config = {k: v for k, v in meta["trunk_config"].items() if k not in ("architectures", "transformers_version")}
+        trunk_config = {k: v for k, v in meta["trunk_config"].items()
+                        if k not in ("architectures", "transformers_version")}
         trunk = LlamaForCausalLM(LlamaConfig(**trunk_config))
         model = MTPModel(trunk, config)
         load_safetensors(model, str(directory / "model.safetensors"))
@@ -386,7 +387,9 @@ def training_cost(*, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
         "grad_check_max_abs_diff": max |g_seq - g_joint|, "one_head_loss_abs_diff": |n=1 MTP loss -
         the trunk's own next-token loss|, "rows": per-variant measurements}.
     """
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator).to(device)
     models = {n: build_model(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n, style=style,
@@ -542,8 +545,9 @@ def summarize_runs(results: list[dict]):
     for name, runs_ in _by_config(results).items():
         first = runs_[0]
         inductions = [r["eval"]["induction_score"] for r in runs_ if r["eval"]["induction_score"] is not None]
-        row = {"config": name, "style": first["style"], "n_heads": first["n_heads"], "trunk_layers": first["trunk_layers"],
-               "params": first["params"], "seeds": len(runs_), "val_loss": losses[name]["mean"],
+        row = {"config": name, "style": first["style"], "n_heads": first["n_heads"],
+               "trunk_layers": first["trunk_layers"], "params": first["params"], "seeds": len(runs_),
+               "val_loss": losses[name]["mean"],
                "val_loss_seed_std": losses[name]["std"], "val_loss_ci_low": losses[name]["ci95"][0],
                "val_loss_ci_high": losses[name]["ci95"][1],
                "induction_score": sum(inductions) / len(inductions) if inductions else None,
@@ -600,7 +604,8 @@ def main(argv: list[str] | None = None) -> None:
     if accelerator.is_main_process:
         metrics = evaluate(model, val_blocks)
         out = Path(args.out)
-        save_checkpoint(model, out / "checkpoint", extra={"name": config_name(args.style, args.n_heads), "seed": args.seed})
+        save_checkpoint(model, out / "checkpoint",
+                        extra={"name": config_name(args.style, args.n_heads), "seed": args.seed})
         payload = {"args": vars(args), "processes": accelerator.num_processes, "tokens": result.tokens,
                    "curve": result.losses, "step_s": result.step_s, "eval": metrics, "corpus": corpus.provenance()}
         (out / "metrics.json").write_text(json.dumps(payload, indent=2))

@@ -128,7 +128,8 @@ def use_theme(context: str = "notebook") -> None:
 def finish(ax, title: str, xlabel: str, ylabel: str, *, legend: bool | str = "auto", legend_title: str | None = None):
     """Title and axis labels (give units: "tokens/s", "batch size"), legend when there are labelled artists."""
     if not title or not xlabel or not ylabel:
-        raise ValueError(f"every figure needs a title and axis labels; got title={title!r} xlabel={xlabel!r} ylabel={ylabel!r}")
+        raise ValueError("every figure needs a title and axis labels; "
+                         f"got title={title!r} xlabel={xlabel!r} ylabel={ylabel!r}")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

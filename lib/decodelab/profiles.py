@@ -300,7 +300,8 @@ def parse_parameters(source: str) -> dict[str, Parameter]:
     comments = _comments_by_line(source)
     params: dict[str, Parameter] = {}
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
         if not targets or getattr(node, "value", None) is None:
             continue
         value_source = ast.get_source_segment(source, node.value) or ""
@@ -376,7 +377,8 @@ def load_profile(params_dir: Path, profile: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"profile file {path} must hold a YAML mapping of parameter -> value, got {type(data).__name__}")
+        raise ValueError(f"profile file {path} must hold a YAML mapping of parameter -> value, "
+                         f"got {type(data).__name__}")
     return data
 
 

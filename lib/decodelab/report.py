@@ -250,7 +250,8 @@ section.missing { background: #fbfbf8; border-style: dashed; }
 h2 { margin-top: .3rem; } h3 { margin-bottom: .3rem; font-size: 1.02rem; }
 .question { font-size: 1.15rem; font-weight: 600; }
 .answer { border-left: 4px solid #4e79a7; background: #f3f6fa; padding: .4rem 1rem; margin: .8rem 0; }
-.verdict { border-left: 4px solid #bbb; padding: .1rem 1rem; margin: .6rem 0; } .verdict td:first-child { min-width: 18rem; }
+.verdict { border-left: 4px solid #bbb; padding: .1rem 1rem; margin: .6rem 0; }
+.verdict td:first-child { min-width: 18rem; }
 table.goals tr.met td:nth-child(4) { color: #1e6b34; font-weight: 600; }
 table.goals tr.not-met td:nth-child(4) { color: #a12a2a; font-weight: 600; }
 table.goals tr.not-measured td:nth-child(4), table.goals tr.malformed td:nth-child(4) { color: #8a6d00; }

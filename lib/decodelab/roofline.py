@@ -367,6 +367,7 @@ def validate(rows: list[dict], shape: ModelShape, hw: Hardware, *, seed: int, fr
     predicted = predict_from(fit_rows, rows, shape, hw)
     insample = predict_from(rows, rows, shape, hw)
     measured = [r["speedup"] for r in rows]
-    heldout_error = median_rel_error([p for p, h in zip(predicted, held) if h], [m for m, h in zip(measured, held) if h])
+    heldout_error = median_rel_error([p for p, h in zip(predicted, held) if h],
+                                     [m for m, h in zip(measured, held) if h])
     return Validation(held.tolist(), predicted, insample, heldout_error, median_rel_error(insample, measured),
                       n_fit=len(fit_rows), n_heldout=int(held.sum()))

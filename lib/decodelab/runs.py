@@ -262,7 +262,7 @@ class Run:
 
         _check_file_name(name)
         if not isinstance(fig, Figure):
-            fig = getattr(fig, "figure", None) or getattr(fig, "fig")
+            fig = getattr(fig, "figure", None) or fig.fig
         if not caption:
             warnings.warn(f"figure {name!r} has no caption; every figure needs a one-line caption", stacklevel=2)
         self.figures_dir.mkdir(parents=True, exist_ok=True)

@@ -15,16 +15,28 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from decodelab.metrics import (
-    Embedder, bootstrap_ci, coherence, distinct_n, embedding_diversity, interpolate_at, judge_nll, load_embedder,
-    pareto_frontier, self_bleu, words,
+    Embedder,
+    bootstrap_ci,
+    coherence,
+    distinct_n,
+    embedding_diversity,
+    interpolate_at,
+    judge_nll,
+    load_embedder,
+    pareto_frontier,
+    self_bleu,
+    words,
 )
 from decodelab.tasks import ArithmeticProblem, extract_answer
+
+if TYPE_CHECKING:  # annotations only: pandas is imported where a function needs it
+    import pandas as pd
 
 # --- running a task under a grid of sampler settings ---------------------------------------------
 
@@ -97,7 +109,8 @@ def sampler_grid(
         raise ValueError(f"samplers={sizes} (values per sampler): every sampler needs the same number of settings")
     if any(t <= 0 for t in temperatures):
         raise ValueError(f"temperatures={temperatures!r} must all be > 0 (greedy is added separately)")
-    grid = [Setting(name, float(v), float(t), order) for t in temperatures for name, values in samplers.items() for v in values]
+    grid = [Setting(name, float(v), float(t), order)
+            for t in temperatures for name, values in samplers.items() for v in values]
     if baselines:
         grid += [Setting("temperature", None, float(t), order) for t in temperatures]
         grid += [Setting("greedy", None, 0.0)] if greedy else []
@@ -387,7 +400,7 @@ def diversity_per_unit(frame):
 
     rows = []
     quality = [c for c in ("coherence", "judge_nll", "n_words") if c in frame]
-    for (sid, unit), group in frame.groupby(["setting", "unit"]):
+    for (_setting, unit), group in frame.groupby(["setting", "unit"]):
         if len(group) < 2:
             continue
         texts = [words(t) for t in group["text"]]

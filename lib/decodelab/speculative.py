@@ -176,8 +176,8 @@ def prefill(model, prompts: list[list[int]], *, max_new_tokens: int, max_k: int 
     last_logits = tr.lm_head(last_hidden)
     synchronize(tr.device)
     return Prefilled(prompts=[list(p) for p in prompts], cache=cache, last_logits=last_logits,
-                     last_hidden=last_hidden, prompt_hidden=hidden, prompt_lengths=lengths.clone(), prefill_s=time.perf_counter() - start,
-                     max_new_tokens=max_new_tokens, max_k=max_k)
+                     last_hidden=last_hidden, prompt_hidden=hidden, prompt_lengths=lengths.clone(),
+                     prefill_s=time.perf_counter() - start, max_new_tokens=max_new_tokens, max_k=max_k)
 
 
 @dataclass
@@ -482,7 +482,8 @@ class AdaptivePolicy:
         if not 0 < time_ema <= 1:
             raise ValueError(f"time_ema={time_ema!r} must be in (0, 1]")
         self.step_time, self.ks = step_time, ks
-        self.draft0, self.decay, self.prior_strength, self.probe_budget = draft_s_per_token, decay, prior_strength, probe_budget
+        self.draft0, self.decay = draft_s_per_token, decay
+        self.prior_strength, self.probe_budget = prior_strength, probe_budget
         self.margin, self.time_ema = margin, time_ema
         self.begin(1)
 

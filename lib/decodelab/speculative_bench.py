@@ -179,7 +179,8 @@ def hf_side_by_side(model, prompts: list[list[int]], *, k: int, max_new_tokens: 
         if draft is not None:
             # constant k and no confidence cut-off: the same algorithm as ours (transformers' defaults adapt k)
             hf_runs["draft_model"] = {"assistant_model": draft.hf_model, "num_assistant_tokens": k,
-                                      "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+                                      "num_assistant_tokens_schedule": "constant",
+                                      "assistant_confidence_threshold": 0.0}
         ours = {"plain": (lambda: None, 0), "ngram": (lambda: NGramDrafter(max_ngram=ngram_size, match="earliest"), k)}
         if draft is not None:
             ours["draft_model"] = (lambda: ModelDrafter(draft, model), k)
@@ -260,7 +261,8 @@ def speculation_goals(rows: list[dict], *, drafters, grid_category: str, hf_rows
     on_code = grid_category == "code_edit" and 1 in batches
     out = [goal("ngram_speedup_b1_code", best_speedup(rows, "ngram", 1) if on_code else None, unit="x",
                 label="n-gram speedup at batch 1 on code editing (best fixed k)",
-                note="" if on_code else f"needs grid_category 'code_edit' and batch 1 (got {grid_category!r}, {batches})"),
+                note="" if on_code
+                else f"needs grid_category 'code_edit' and batch 1 (got {grid_category!r}, {batches})"),
            goal("ngram_ours_over_hf_prompt_lookup", hf_ratio(list(hf_rows)), unit="x",
                 label="our n-gram vs transformers' prompt lookup at batch 1 (tokens/s ratio)",
                 note="" if hf_rows else "the transformers side by side did not run (hf_compare off)")]
@@ -268,9 +270,11 @@ def speculation_goals(rows: list[dict], *, drafters, grid_category: str, hf_rows
         swept = sorted({r["batch"] for r in rows if r["drafter"] == d and r["k"] == "adaptive"})
         top, low = (swept[-1], swept[0]) if swept else (None, None)
         why = "" if swept else "the adaptive policy did not run (adaptive off)"
-        note = why or ("" if top == max(batches) else f"largest batch this drafter was swept at (sweep: {max(batches)})")
-        out.append(goal(f"adaptive_vs_plain_at_largest_batch:{d}", best_speedup(rows, d, top, "adaptive") if swept else None,
-                        unit="x", label=f"adaptive policy ({d}) vs plain decoding at batch {top}", note=note))
+        note = why or ("" if top == max(batches)
+                       else f"largest batch this drafter was swept at (sweep: {max(batches)})")
+        out.append(goal(f"adaptive_vs_plain_at_largest_batch:{d}",
+                        best_speedup(rows, d, top, "adaptive") if swept else None, unit="x",
+                        label=f"adaptive policy ({d}) vs plain decoding at batch {top}", note=note))
         best, adaptive = (best_speedup(rows, d, low), best_speedup(rows, d, low, "adaptive")) if swept else (None, None)
         out.append(goal(f"adaptive_fraction_of_best_fixed_k_b1:{d}",
                         adaptive / best if low == 1 and best and adaptive is not None else None, unit="%",

@@ -16,8 +16,13 @@ import math
 import numpy as np
 
 from decodelab.metrics import (
-    mdd_from_interval, minimum_detectable_difference, paired_bootstrap_diff, planning_sd, required_pairs,
-    sd_of_differences, z_value,
+    mdd_from_interval,
+    minimum_detectable_difference,
+    paired_bootstrap_diff,
+    planning_sd,
+    required_pairs,
+    sd_of_differences,
+    z_value,
 )
 
 # --- verdict rows ----------------------------------------------------------------------------------
@@ -148,7 +153,8 @@ def verdict_summary(rows: list[dict], *, target_half_width: float | None = None)
     held = [r for r in main if r["finding"] == "a > b"]
     reversed_ = [r for r in main if r["finding"] == "a < b"]
     open_ = [r for r in main if r["finding"] == "inconclusive"]
-    text = f"Of {len(main)} main verdicts, {len(held)} hold, {len(reversed_)} are reversed and {len(open_)} are inconclusive"
+    text = (f"Of {len(main)} main verdicts, {len(held)} hold, {len(reversed_)} are reversed "
+            f"and {len(open_)} are inconclusive")
     if open_:
         mdds = [r["mdd"] for r in open_ if r["mdd"] is not None]
         if mdds:

@@ -70,7 +70,8 @@ def draw_kept_sets(ax, dist: NextToken, tokenizer, temperature: float, top_p: fl
                    marker=marker, s=22, label=f"kept by {name}")
     ax.set_xticks(x, [_token_label(tokenizer, int(i)) for i in top], rotation=70, fontsize=7)
     summary = "\n".join(
-        f"{name} keeps {int(sets[name].sum())} tokens, mass {float(probs[sets[name]].sum()):.2f}" for name in ("top_p", "min_p")
+        f"{name} keeps {int(sets[name].sum())} tokens, mass {float(probs[sets[name]].sum()):.2f}"
+        for name in ("top_p", "min_p")
     )
     plots.finish(ax, f"T={temperature:g}, top_p={top_p:g}, min_p={min_p:g}\n{summary}",
                  f"the {n_show} most probable next tokens", "probability (after temperature)")
