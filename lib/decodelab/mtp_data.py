@@ -184,11 +184,6 @@ def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     return list(tokenizer(texts, add_special_tokens=False).input_ids)
 
 
-def decode_tokens(tokenizer, ids: list[int]) -> list[str]:
-    """The text of each single token (for probes), with either kind of tokenizer."""
-    return [tokenizer.decode([i]) for i in ids]
-
-
 def pack_blocks(token_lists, block_len: int, sep_id: int, max_blocks: int | None = None) -> torch.Tensor:
     """Concatenate files (sep after each) and cut into non-overlapping blocks: -> (N, block_len) long.
 

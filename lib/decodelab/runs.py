@@ -409,22 +409,6 @@ def latest_run(name: str, status: str | None = STATUS_OK, *, root: Path | None =
     return runs[-1] if runs else None
 
 
-def load_run(run_dir: Path) -> dict:
-    """Everything a run recorded: params, metrics, env, figure captions, figure and table paths."""
-    run_dir = Path(run_dir)
-    figures = run_dir / "figures"
-    return {
-        "dir": run_dir,
-        "params": read_json(run_dir / "params.json", {}),
-        "metrics": read_json(run_dir / "metrics.json", {}),
-        "env": read_json(run_dir / "env.json", {}),
-        "captions": read_json(figures / "captions.json", {}),
-        "figures": sorted(figures.glob("*.png")) if figures.is_dir() else [],
-        "tables": sorted((run_dir / "tables").glob("*.csv")) if (run_dir / "tables").is_dir() else [],
-        "notebook": run_dir / "notebook.ipynb",
-    }
-
-
 # ---------------------------------------------------------------- the runner
 def kernel_name() -> str:
     """The registered "decodelab" kernel when it runs this very Python, else "python3" (which

@@ -221,10 +221,6 @@ def extract_answer(text: str) -> int | None:
     return _to_int(numbers[-1]) if numbers else None
 
 
-def is_correct(text: str, answer: int) -> bool:
-    return extract_answer(text) == answer
-
-
 # --- writing prompts -------------------------------------------------------------------------------
 
 
