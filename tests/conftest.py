@@ -70,3 +70,15 @@ class SmokeRuns:
 def smoke_runs(tmp_path_factory):
     """`smoke_runs(name)` -> run dir; `smoke_runs.metrics(name)` -> its metrics.json (see SmokeRuns)."""
     return SmokeRuns(tmp_path_factory.mktemp("smoke-results"))
+
+
+@pytest.fixture(scope="module")
+def metrics(request, smoke_runs):
+    """metrics.json of the smoke run of the notebook named by the test module's NAME."""
+    return smoke_runs.metrics(request.module.NAME)
+
+
+@pytest.fixture(scope="module")
+def params(request, smoke_runs):
+    """params.json of the smoke run of the notebook named by the test module's NAME."""
+    return smoke_runs.params(request.module.NAME)

@@ -10,16 +10,6 @@ pytestmark = pytest.mark.slow
 NAME = "masking"
 
 
-@pytest.fixture(scope="module")
-def metrics(smoke_runs):
-    return smoke_runs.metrics(NAME)
-
-
-@pytest.fixture(scope="module")
-def params(smoke_runs):
-    return smoke_runs.params(NAME)
-
-
 def test_every_finished_masked_output_validates_under_every_engine_on_smoke(metrics, params):
     engines = [e for e in params["engines"] if e != "naive"]
     rates = metrics["validity_rate"]

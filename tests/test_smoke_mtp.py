@@ -5,15 +5,12 @@ from decodelab.goals import OPS
 
 pytestmark = pytest.mark.slow
 
+NAME = "mtp"  # the notebook whose smoke run the `metrics` fixture reads (tests/conftest.py)
+
 GRAD_TOLERANCE = 1e-5  # max |g_sequential - g_joint|: float32 summation-order noise, nothing more
 STATED_GOALS = {"step_time_ratio", "peak_mem_ratio", "retrofit_head2_acceptance_gloeckle",
                 "retrofit_head2_acceptance_deepseek", "retrofit_speedup_b1_gloeckle", "retrofit_speedup_b1_deepseek",
                 "retrofit_tau_3_positions", "self_spec_greedy_identical"}
-
-
-@pytest.fixture(scope="module")
-def metrics(smoke_runs):
-    return smoke_runs.metrics("mtp")
 
 
 def test_one_head_loss_equals_next_token_loss_on_smoke(metrics):

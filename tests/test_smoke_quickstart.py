@@ -6,16 +6,6 @@ pytestmark = pytest.mark.slow
 NAME = "quickstart"
 
 
-@pytest.fixture(scope="module")
-def metrics(smoke_runs):
-    return smoke_runs.metrics(NAME)
-
-
-@pytest.fixture(scope="module")
-def params(smoke_runs):
-    return smoke_runs.params(NAME)
-
-
 def test_greedy_rows_of_our_engine_equal_hf_generate_on_smoke(metrics):
     assert metrics["greedy_match"] is True
 

@@ -6,12 +6,9 @@ import pytest
 from decodelab import goals
 
 pytestmark = pytest.mark.slow
+
+NAME = "sampling"  # the notebook whose smoke run the `metrics` fixture reads (tests/conftest.py)
 GOALS = {"main_verdict_half_width", "greedy_accuracy_floor", "greedy_accuracy_ceiling", "sampler_cost_ratio"}
-
-
-@pytest.fixture(scope="module")
-def metrics(smoke_runs):
-    return smoke_runs.metrics("sampling")
 
 
 def test_every_verdict_row_carries_an_interval_around_its_estimate(metrics):
