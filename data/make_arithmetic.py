@@ -1,6 +1,6 @@
 """Write data/arithmetic.jsonl: 50 word problems per difficulty level, seed 0.
 
-The file is a frozen copy of `decodelab.tasks.make_arithmetic(50, seed=0, difficulty=level)` for
+The file is a frozen copy of `decodelab.workloads.tasks.make_arithmetic(50, seed=0, difficulty=level)` for
 every level, so a reader can look at the problems without running anything; notebooks may also
 generate problems on the fly (same function, same result).
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from decodelab.tasks import DIFFICULTIES, make_arithmetic, save_arithmetic
+from decodelab.workloads.tasks import DIFFICULTIES, make_arithmetic, save_arithmetic
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from decodelab.models import load_model, tiny_model
+from decodelab.core.models import load_model, tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +42,7 @@ class SmokeRuns:
 
     def __call__(self, name: str):
         """The run directory of `name`'s smoke run (executing it the first time)."""
-        from decodelab import runs
+        from decodelab.suite import runs
 
         if name not in self._done:
             try:

@@ -1,6 +1,6 @@
 """`python -m decodelab ...` is the `decodelab` console script."""
 import sys
 
-from decodelab.cli import main
+from decodelab.suite.cli import main
 
 sys.exit(main())

@@ -1,0 +1,1 @@
+"""Helpers every question uses: statistics, goals as data, plots, seeding, timing."""

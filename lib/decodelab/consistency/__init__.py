@@ -1,0 +1,1 @@
+"""Notebook 05: self-consistency with a shared prompt KV (votes, stopping rules, cost)."""

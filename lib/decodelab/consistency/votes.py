@@ -1,0 +1,482 @@
+"""Self-consistency: votes over sampled answers, early-stopping rules, and the notebook-05 experiment drivers.
+
+An answer is any hashable value (the arithmetic tasks give ints); `None` means the extractor found no
+answer in that sample. A `None` never votes: it is counted in `n_no_answer`, and when no sample has an
+answer the vote itself is `None` (explicitly "no answer", scored wrong), never a silent guess.
+
+Votes (Wang et al. 2022): majority (each valid sample counts 1) and log-probability weighted (each counts
+exp(mean token log-prob), the length-normalized sequence probability). Ties go to the answer that appeared
+first in the sample stream, which is random order for i.i.d. samples.
+
+Stopping rules decide, sample by sample, whether to draw more:
+- ESC (Li et al. 2024): draw samples in windows of w; stop after a window whose w answers all agree.
+- Adaptive consistency (Aggarwal et al. 2023): stop once the leader is the true majority with posterior
+  probability >= threshold (Beta over the top two counts, or Dirichlet over all answers).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NO_ANSWER = None
+
+
+@dataclass(frozen=True)
+class Vote:
+    answer: Hashable | None  # None = no sample had an answer
+    n_samples: int  # samples the vote looked at, no-answers included
+    n_no_answer: int
+    scores: dict = field(default_factory=dict)  # answer -> count (or summed weight)
+
+    @property
+    def support(self) -> float:
+        """Share of the answered samples' score held by the winner (0 when nothing answered)."""
+        total = sum(self.scores.values())
+        return self.scores[self.answer] / total if self.answer is not None and total > 0 else 0.0
+
+
+def _check_samples(answers: Sequence, name: str = "answers") -> None:
+    if len(answers) < 1:
+        raise ValueError(f"{name} has {len(answers)} samples: a vote needs n >= 1")
+
+
+def majority_vote(answers: Sequence[Hashable | None], weights: Sequence[float] | None = None) -> Vote:
+    """The answer with the largest count (or summed weight); None answers never vote.
+
+    answers: n answers (None = no answer); weights: n non-negative floats (default 1 each).
+    """
+    _check_samples(answers)
+    if weights is None:
+        weights = [1.0] * len(answers)
+    if len(weights) != len(answers):
+        raise ValueError(f"weights has {len(weights)} entries for {len(answers)} answers; need one per answer")
+    scores: dict = {}
+    for answer, weight in zip(answers, weights):
+        if answer is NO_ANSWER:
+            continue
+        if not weight >= 0:  # also catches NaN
+            raise ValueError(f"weight={weight!r} must be a non-negative number")
+        scores[answer] = scores.get(answer, 0.0) + float(weight)
+    n_no_answer = sum(answer is NO_ANSWER for answer in answers)
+    # max keeps the first maximal key in insertion order = the first answer seen (tie-break rule).
+    winner = max(scores, key=scores.__getitem__) if scores else NO_ANSWER
+    return Vote(winner, len(answers), n_no_answer, scores)
+
+
+def sequence_weights(logprobs: Sequence[float], lengths: Sequence[int] | None = None) -> list[float]:
+    """exp(log p(sequence) / length): the length-normalized probability Wang et al. weight votes with.
+    Without lengths, exp(log p) (unnormalized; long samples then count for almost nothing)."""
+    if lengths is None:
+        return [math.exp(lp) for lp in logprobs]
+    if len(lengths) != len(logprobs):
+        raise ValueError(f"lengths has {len(lengths)} entries for {len(logprobs)} log-probs")
+    return [math.exp(lp / max(int(length), 1)) for lp, length in zip(logprobs, lengths)]
+
+
+def weighted_vote(answers: Sequence[Hashable | None], logprobs: Sequence[float],
+                  lengths: Sequence[int] | None = None) -> Vote:
+    """Vote where sample i counts exp(logprobs[i] / lengths[i]) (see `sequence_weights`)."""
+    _check_samples(answers)
+    return majority_vote(answers, sequence_weights(logprobs, lengths))
+
+
+# ---------------------------------------------------------------- stopping rules
+
+
+@dataclass(frozen=True)
+class StopResult:
+    n_used: int  # samples drawn before stopping
+    stopped_early: bool  # False when the pool ran out first
+    vote: Vote  # majority vote over the n_used samples
+
+
+def esc_stop(answers: Sequence[Hashable | None], window: int = 5) -> StopResult:
+    """Early-stopping self-consistency (Li et al. 2024) over a stream of answers.
+
+    Samples come in windows of `window`; after each full window, stop if all its answers are the same
+    (answered) value, i.e. the window's answer entropy is 0. A window of no-answers does not stop.
+    The final answer is the majority over every sample drawn.
+    """
+    _check_samples(answers)
+    if window < 1:
+        raise ValueError(f"window={window!r} must be >= 1")
+    for end in range(window, len(answers) + 1, window):
+        chunk = answers[end - window:end]
+        if chunk[0] is not NO_ANSWER and all(a == chunk[0] for a in chunk):
+            return StopResult(end, end < len(answers), majority_vote(answers[:end]))
+    return StopResult(len(answers), False, majority_vote(answers))
+
+
+def beta_confidence(top: float, second: float) -> float:
+    """P(p_top > p_second | counts) under a uniform prior: the Beta stopping criterion.
+
+    Restricted to the two leading answers, p = p_top / (p_top + p_second) ~ Beta(top + 1, second + 1),
+    so P(p_top > p_second) = P(p > 1/2) = 1 - I_{1/2}(top + 1, second + 1) (regularized incomplete beta).
+    """
+    from scipy.special import betainc
+
+    return float(1.0 - betainc(top + 1.0, second + 1.0, 0.5))
+
+
+def dirichlet_confidence(counts: Sequence[float], rng: np.random.Generator, n_draws: int = 2000) -> float:
+    """P(the leading answer has the largest probability) under Dirichlet(counts + 1), by Monte Carlo.
+
+    One extra category with count 0 stands for "an answer not seen yet", so a single observed answer
+    is not trivially certain.
+    """
+    alpha = np.asarray(list(counts) + [0.0], dtype=float) + 1.0
+    draws = rng.dirichlet(alpha, size=n_draws)
+    return float((draws.argmax(axis=1) == int(np.argmax(alpha[:-1]))).mean())
+
+
+def adaptive_stop(answers: Sequence[Hashable | None], threshold: float = 0.95, *, criterion: str = "beta",
+                  min_samples: int = 1, seed: int = 0) -> StopResult:
+    """Adaptive consistency (Aggarwal et al. 2023): after each sample, stop when the current majority is
+    settled with posterior probability >= threshold. criterion: "beta" (top two counts, exact) or
+    "dirichlet" (all answers, Monte Carlo with `seed`). No-answers carry no evidence either way."""
+    _check_samples(answers)
+    if not 0.5 < threshold < 1:
+        raise ValueError(f"threshold={threshold!r} must be in (0.5, 1)")
+    if criterion not in ("beta", "dirichlet"):
+        raise ValueError(f"criterion={criterion!r} must be 'beta' or 'dirichlet'")
+    rng = np.random.default_rng(seed)
+    counts: dict = {}
+    for i, answer in enumerate(answers, start=1):
+        if answer is not NO_ANSWER:
+            counts[answer] = counts.get(answer, 0) + 1
+        if i < min_samples or not counts:
+            continue
+        ranked = sorted(counts.values(), reverse=True)
+        if criterion == "beta":
+            confidence = beta_confidence(ranked[0], ranked[1] if len(ranked) > 1 else 0)
+        else:
+            confidence = dirichlet_confidence(ranked, rng)
+        if confidence >= threshold:
+            return StopResult(i, i < len(answers), majority_vote(answers[:i]))
+    return StopResult(len(answers), False, majority_vote(answers))
+
+
+# ---------------------------------------------------------------- accuracy vs n from one pool per problem
+
+
+def encode_answers(answers: Sequence[Hashable | None]) -> tuple[np.ndarray, list]:
+    """answers (N,) -> codes (N,) int (-1 = no answer; others numbered by first appearance) and the values."""
+    values: dict = {}
+    codes = [-1 if a is NO_ANSWER else values.setdefault(a, len(values)) for a in answers]
+    return np.asarray(codes, dtype=int), list(values)
+
+
+def subset_votes(codes: np.ndarray, subsets: np.ndarray, n_values: int,
+                 weights: np.ndarray | None = None) -> np.ndarray:
+    """Vectorized `majority_vote` over many subsets of one pool.
+
+    codes: (N,) from `encode_answers`; subsets: (S, n) pool indices, each row in stream order;
+    weights: (N,) or None -> winner code per subset (S,), -1 when no sample of the subset answered.
+    Ties go to the answer seen first in the subset, as in `majority_vote`.
+    """
+    picked = codes[subsets]  # (S, n)
+    onehot = picked[:, :, None] == np.arange(max(n_values, 1))[None, None, :]  # (S, n, C)
+    w = np.ones(picked.shape) if weights is None else weights[subsets]
+    scores = (onehot * w[:, :, None]).sum(axis=1)  # (S, C)
+    present = onehot.any(axis=1)
+    first = np.where(onehot, np.arange(picked.shape[1])[None, :, None], picked.shape[1]).min(axis=1)  # (S, C)
+    # Lexicographic (score desc, first-seen asc): rank by score, break exact ties by earliest position.
+    best = scores.max(axis=1, keepdims=True)
+    candidates = present & (scores == best)
+    winner = np.where(candidates, first, np.iinfo(int).max).argmin(axis=1)
+    return np.where(present.any(axis=1), winner, -1)
+
+
+def vote_accuracy_vs_n(pools: Sequence[Sequence], truths: Sequence, n_values: Sequence[int], *,
+                       weights: Sequence[Sequence[float]] | None = None, lengths: Sequence[Sequence[int]] | None = None,
+                       n_subsets: int = 200, seed: int = 0, vote: str = "majority") -> list[dict]:
+    """Accuracy of a vote over n samples, for every n, from one pool of N samples per problem.
+
+    For each problem and n, `n_subsets` random n-subsets of its pool (without replacement, random order)
+    each give a vote; the problem's score is the share of correct votes (an estimate of P(vote of n
+    i.i.d. samples is right)). Accuracy = mean over problems, CI = percentile bootstrap over problems.
+    lengths (tokens per sample) give the mean tokens an n-sample vote costs.
+    -> [{n, vote, accuracy, ci_low, ci_high, tokens}]
+    """
+    from decodelab.common.stats import bootstrap_ci
+
+    if len(pools) != len(truths) or not pools:
+        raise ValueError(f"pools ({len(pools)}) and truths ({len(truths)}) must be non-empty and match")
+    pool_size = min(len(p) for p in pools)
+    bad = [n for n in n_values if not 1 <= n <= pool_size]
+    if bad:
+        raise ValueError(f"n_values={list(n_values)}: each n must be in [1, {pool_size}] (the smallest pool)")
+    rng = np.random.default_rng(seed)
+    scores = np.zeros((len(pools), len(n_values)))
+    for i, (pool, truth) in enumerate(zip(pools, truths)):
+        codes, values = encode_answers(pool)
+        truth_code = values.index(truth) if truth in values else -2
+        w = None if weights is None else np.asarray(weights[i], dtype=float)
+        for j, n in enumerate(n_values):
+            subsets = np.argsort(rng.random((n_subsets, len(pool))), axis=1)[:, :n]
+            scores[i, j] = (subset_votes(codes, subsets, len(values), w) == truth_code).mean()
+    mean_len = float(np.mean([np.mean(x) for x in lengths])) if lengths is not None else float("nan")
+    rows = []
+    for j, n in enumerate(n_values):
+        accuracy, low, high = bootstrap_ci(scores[:, j], seed=seed)
+        rows.append({"n": int(n), "vote": vote, "accuracy": accuracy, "ci_low": low, "ci_high": high,
+                     "tokens": n * mean_len})
+    return rows
+
+
+def early_stop_table(pools: Sequence[Sequence], truths: Sequence, *, esc_windows: Sequence[int] = (4, 8),
+                     thresholds: Sequence[float] = (0.95,), criteria: Sequence[str] = ("beta",),
+                     n_orders: int = 20, seed: int = 0) -> list[dict]:
+    """Samples used and accuracy of ESC and adaptive consistency vs majority over the whole pool.
+
+    Each problem's pool is replayed in `n_orders` random orders (sample streams); a rule stops somewhere
+    in each stream and votes. -> [{method, setting, mean_samples, accuracy, ci_low, ci_high, saved,
+    accuracy_change, change_ci_low, change_ci_high}] with saved = 1 - mean_samples / pool size and
+    accuracy_change = accuracy minus the first row's (majority over the whole pool, replayed in the same
+    orders), its interval a paired bootstrap over problems.
+    """
+    from decodelab.common.stats import bootstrap_ci, paired_bootstrap_diff
+
+    rules = {("majority", f"n={min(len(p) for p in pools)}"): lambda a: StopResult(len(a), False, majority_vote(a))}
+    for w in esc_windows:
+        rules[("esc", f"window={w}")] = lambda a, w=w: esc_stop(a, window=w)
+    for criterion in criteria:
+        for t in thresholds:
+            rules[("adaptive_consistency", f"{criterion}>={t}")] = (
+                lambda a, c=criterion, t=t: adaptive_stop(a, t, criterion=c, seed=seed))
+    rng = np.random.default_rng(seed)
+    orders = [[rng.permutation(len(pool)) for _ in range(n_orders)] for pool in pools]
+    pool_size = float(np.mean([len(p) for p in pools]))
+    rows, reference = [], None
+    for (method, setting), rule in rules.items():
+        used, correct = np.zeros((len(pools), n_orders)), np.zeros((len(pools), n_orders))
+        for i, (pool, truth) in enumerate(zip(pools, truths)):
+            for k, order in enumerate(orders[i]):
+                result = rule([pool[j] for j in order])
+                used[i, k], correct[i, k] = result.n_used, result.vote.answer == truth
+        per_problem = correct.mean(axis=1)
+        reference = per_problem if reference is None else reference
+        accuracy, low, high = bootstrap_ci(per_problem, seed=seed)
+        change = paired_bootstrap_diff(per_problem, reference, seed=seed)
+        rows.append({"method": method, "setting": setting, "mean_samples": float(used.mean()),
+                     "accuracy": accuracy, "ci_low": low, "ci_high": high,
+                     "saved": 1.0 - float(used.mean()) / pool_size, "accuracy_change": change["difference"],
+                     "change_ci_low": change["ci_low"], "change_ci_high": change["ci_high"]})
+    return rows
+
+
+def pool_votes(pools: Sequence[Sequence]) -> list[dict]:
+    """The majority vote over each problem's whole pool, with its counts, so a reader (or a test) can check
+    that they add up: answered + no_answer == n_samples. -> [{problem, answer, n_samples, answered, no_answer}]"""
+    rows = []
+    for i, pool in enumerate(pools):
+        vote = majority_vote(list(pool))
+        rows.append({"problem": i, "answer": vote.answer, "n_samples": vote.n_samples,
+                     "answered": int(sum(vote.scores.values())), "no_answer": vote.n_no_answer})
+    return rows
+
+
+# ---------------------------------------------------------------- experiment 1-2: sample a pool per problem
+
+
+@dataclass
+class Pools:
+    """N sampled answers per problem (plus the greedy answer), in sampling order."""
+
+    truths: list
+    answers: list[list]  # extracted answers, None = nothing extracted
+    logprobs: list[list[float]]  # sequence log-probs under the model (temperature 1, unfiltered)
+    lengths: list[list[int]]  # generated tokens per sample, EOS included
+    texts: list[list[str]]
+    greedy: list  # greedy answer per problem
+    greedy_lengths: list[int]
+    seconds: float  # wall time of the sampling (greedy excluded)
+    new_tokens: int  # tokens generated by the sampling
+
+    @property
+    def pool_size(self) -> int:
+        return min(len(a) for a in self.answers)
+
+    def weights(self) -> list[list[float]]:
+        return [sequence_weights(lp, ln) for lp, ln in zip(self.logprobs, self.lengths)]
+
+    def greedy_accuracy(self) -> float:
+        return float(np.mean([g == t for g, t in zip(self.greedy, self.truths)]))
+
+    def no_answer_rate(self) -> float:
+        return float(np.mean([a is NO_ANSWER for pool in self.answers for a in pool]))
+
+    def samples_frame(self):
+        """One row per sample: problem, sample, answer, correct, logprob, length."""
+        import pandas as pd
+
+        return pd.DataFrame([
+            {"problem": i, "sample": j, "answer": a, "correct": a == self.truths[i], "logprob": lp, "length": ln}
+            for i, pool in enumerate(self.answers)
+            for j, (a, lp, ln) in enumerate(zip(pool, self.logprobs[i], self.lengths[i]))
+        ])
+
+
+def row_generator(seed: int, problem: int, sample: int, device="cpu"):
+    """The generator of sample `sample` of problem `problem`: the same stream whatever the batching
+    (seeded by `sampling_study.row_seed`, as the sampling notebook's streams are)."""
+    import torch
+
+    from decodelab.sampling_study.grid import row_seed
+
+    return torch.Generator(device=device).manual_seed(row_seed(seed, problem, sample))
+
+
+def make_sampler(temperature: float, sampler: dict | None = None):
+    """temperature + SamplerConfig fields (e.g. {"top_p": 0.95}) -> a Sampler (None when greedy)."""
+    from decodelab.core.sampling import Sampler, SamplerConfig
+
+    config = SamplerConfig(temperature=temperature, **(sampler or {}))
+    return None if config.is_greedy else Sampler(config)
+
+
+def sample_pools(model, problems, n: int, *, max_new_tokens: int, temperature: float = 1.0,
+                 sampler: dict | None = None, seed: int = 0, prompts_per_batch: int = 4,
+                 progress: bool = True) -> Pools:
+    """Greedy answer + n sampled answers per arithmetic problem, n samples sharing one prompt prefill.
+
+    problems: `tasks.ArithmeticProblem`s; the prompt is `tasks.arithmetic_prompt`, the answer
+    `tasks.extract_answer` (None when it matches nothing).
+    """
+    import time
+
+    from decodelab.core import engine
+    from decodelab.core.shared_prefix import generate_shared
+    from decodelab.workloads import tasks
+
+    if n < 1:
+        raise ValueError(f"n={n!r} must be >= 1")
+    tokenizer, device = model.tokenizer, model.device
+    prompts = [tasks.arithmetic_prompt(p, tokenizer) for p in problems]
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    greedy = engine.generate(model, prompts, max_new_tokens=max_new_tokens)
+    pools = Pools(truths=[p.answer for p in problems], answers=[], logprobs=[], lengths=[], texts=[],
+                  greedy=[tasks.extract_answer(decode(t)) for t in greedy.tokens],
+                  greedy_lengths=[len(t) for t in greedy.tokens], seconds=0.0, new_tokens=0)
+    sampler_obj = make_sampler(temperature, sampler)
+    batches = range(0, len(prompts), prompts_per_batch)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc=f"sampling {n} per problem")
+    for start in batches:
+        chunk = prompts[start:start + prompts_per_batch]
+        generators = [row_generator(seed, start + p, s, device) for p in range(len(chunk)) for s in range(n)]
+        begin = time.perf_counter()
+        result = generate_shared(model, chunk, n, max_new_tokens=max_new_tokens, sampler=sampler_obj,
+                                 generator=generators)
+        pools.seconds += time.perf_counter() - begin
+        pools.new_tokens += result.stats.new_tokens
+        for p in range(len(chunk)):
+            rows = range(p * n, (p + 1) * n)
+            texts = [decode(result.tokens[b]) for b in rows]
+            pools.texts.append(texts)
+            pools.answers.append([tasks.extract_answer(t) for t in texts])
+            pools.logprobs.append([result.logprobs[b] for b in rows])
+            pools.lengths.append([len(result.tokens[b]) for b in rows])
+    return pools
+
+
+def check_shared_equals_unshared(model, prompts: list[list[int]], n: int, *, max_new_tokens: int,
+                                 temperature: float = 1.0, sampler: dict | None = None, seed: int = 0) -> dict:
+    """Decode n samples of each prompt shared and unshared (`engine.generate` on repeated prompts) with the
+    same per-row generators, greedy and sampled. -> {greedy_equal, sampled_equal, equal, rows, tokens}."""
+    from decodelab.core import engine
+    from decodelab.core.shared_prefix import generate_shared
+
+    repeated = [p for p in prompts for _ in range(n)]
+    out = {"rows": len(repeated)}
+    for label, sampler_obj in (("greedy", None), ("sampled", make_sampler(temperature, sampler))):
+        gens = lambda: [row_generator(seed, p, s, model.device) for p in range(len(prompts)) for s in range(n)]  # noqa: E731
+        shared = generate_shared(model, prompts, n, max_new_tokens=max_new_tokens, sampler=sampler_obj,
+                                 generator=gens())
+        plain = engine.generate(model, repeated, max_new_tokens=max_new_tokens, sampler=sampler_obj,
+                                generator=gens())
+        out[f"{label}_equal"] = shared.tokens == plain.tokens
+        out[f"{label}_tokens"] = shared.stats.new_tokens
+    out["equal"] = out["greedy_equal"] and out["sampled_equal"]
+    return out
+
+
+# ---------------------------------------------------------------- goals and generated findings
+
+SPEEDUP_TARGET = 4.0  # shared vs HF num_return_sequences at the goal point (docs/RESEARCH.md section 5: Hydragen)
+KV_RATIO_TARGET = 0.15  # measured shared / HF cache bytes at the goal point (n = 16: 1/16 of the prompt + suffixes)
+ADAPTIVE_SAVED_TARGET = 0.5  # share of the pool adaptive consistency does not draw (Aggarwal et al.: up to 7.9x)
+ADAPTIVE_CHANGE_TARGET = -0.02  # accuracy change vs the whole-pool majority, judged on its CI lower bound
+
+
+def notebook_goals(goal_point: dict, early_rows: Sequence[dict]) -> list:
+    """Notebook 05's goal rows (`decodelab.common.goals.Goal`) from `consistency_cost.goal_summary` and
+    `early_stop_table`: speedup over HF num_return_sequences, measured KV bytes ratio, and the first
+    adaptive-consistency setting's samples saved and accuracy change (None = not measured)."""
+    from decodelab.common.goals import Goal
+
+    at = f"{goal_point['prompt_len']}-token prompt, n = {goal_point['n']}" if goal_point else "no point where HF ran"
+    spread = (f"min of {goal_point['repeats']} interleaved repeats; spread shared {goal_point['shared_spread']:.0%}, "
+              f"HF {goal_point['hf_spread']:.0%}") if goal_point else ""
+    analytic = (f"analytic ratio {goal_point['kv_ratio_vs_hf_analytic']:.3f}" if goal_point else "")
+    adaptive = next((r for r in early_rows if r["method"] == "adaptive_consistency"), None)
+    rule = f"adaptive consistency ({adaptive['setting']})" if adaptive else "adaptive consistency"
+    return [
+        Goal.check("speedup_vs_hf", goal_point.get("speedup_vs_hf"), ">=", SPEEDUP_TARGET, unit="x",
+                   label=f"shared-prefix speedup over HF num_return_sequences ({at})", note=spread),
+        Goal.check("kv_ratio_vs_hf_measured", goal_point.get("kv_ratio_vs_hf_measured"), "<=", KV_RATIO_TARGET,
+                   unit="%", label=f"shared / HF KV cache bytes, measured ({at})", note=analytic),
+        Goal.check("adaptive_samples_saved", adaptive["saved"] if adaptive else None, ">=", ADAPTIVE_SAVED_TARGET,
+                   unit="%", label=f"samples {rule} saves vs the whole pool"),
+        Goal.check("adaptive_accuracy_change", adaptive["change_ci_low"] if adaptive else None, ">=",
+                   ADAPTIVE_CHANGE_TARGET, unit="points", label=f"accuracy change of {rule} (95% CI lower bound)",
+                   estimate=adaptive["accuracy_change"] if adaptive else None,
+                   ci=(adaptive["change_ci_low"], adaptive["change_ci_high"]) if adaptive else None),
+    ]
+
+
+def findings(*, check: dict, greedy_accuracy: float, accuracy_rows: Sequence[dict], early_rows: Sequence[dict],
+             cost_rows: Sequence[dict], goal_point: dict) -> list[str]:
+    """Sentences stating what this run measured, generated from its tables (never typed)."""
+    from decodelab.common.goals import format_value as fmt
+
+    yes = lambda ok: "equal" if ok else "NOT equal"  # noqa: E731
+    out = [f"Shared-prefix decoding vs unshared decoding, token for token over {check['rows']} rows: greedy "
+           f"{yes(check['greedy_equal'])}, sampled {yes(check['sampled_equal'])}."]
+    by_vote: dict = {}
+    for row in accuracy_rows:
+        by_vote.setdefault(row["vote"], []).append(row)
+    parts = []
+    for vote, rows in by_vote.items():
+        first, last = min(rows, key=lambda r: r["n"]), max(rows, key=lambda r: r["n"])
+        parts.append(f"{vote} vote {fmt(first['accuracy'], '%')} at n = {first['n']} -> {fmt(last['accuracy'], '%')} "
+                     f"at n = {last['n']} (95% CI {fmt(last['ci_low'], '%')}-{fmt(last['ci_high'], '%')}, "
+                     f"{fmt(last['accuracy'] - greedy_accuracy, 'points')} vs greedy)")
+    out.append(f"Greedy accuracy {fmt(greedy_accuracy, '%')}; " + "; ".join(parts) + ".")
+    stops = [f"{r['method']} ({r['setting']}) drew {r['mean_samples']:.1f} samples on average "
+             f"({fmt(r['saved'], '%')} saved), accuracy change {fmt(r['accuracy_change'], 'points')} "
+             f"(95% CI {fmt(r['change_ci_low'], 'points')} to {fmt(r['change_ci_high'], 'points')})"
+             for r in early_rows[1:]]
+    if stops:
+        out.append(f"Against the majority over the whole pool ({early_rows[0]['setting']}): " + "; ".join(stops) + ".")
+    if goal_point:
+        length = goal_point["prompt_len"]
+        seconds = {(r["method"], r["n"]): r["seconds"] for r in cost_rows if r["prompt_len"] == length}
+        ratios = [f"n = {n}: {fmt(seconds[('hf_num_return_sequences', n)] / seconds[('shared', n)], 'x')}"
+                  for n in sorted({n for (_, n) in seconds})
+                  if ("hf_num_return_sequences", n) in seconds and ("shared", n) in seconds]
+        g = goal_point
+        out.append(f"At a {length}-token prompt and n = {g['n']}, shared took {g['shared_seconds']:.3g} s and HF "
+                   f"num_return_sequences {g['hf_seconds']:.3g} s (min of {g['repeats']} interleaved repeats): "
+                   f"{fmt(g['speedup_vs_hf'], 'x')}. HF / shared time by n at this prompt length: {', '.join(ratios)}.")
+        out.append(f"KV cache bytes at that point, measured: shared {g['shared_cache_bytes'] / 2**20:.3g} MiB, HF "
+                   f"{g['hf_cache_bytes'] / 2**20:.3g} MiB (ratio {g['kv_ratio_vs_hf_measured']:.3f}; the analytic "
+                   f"formula gives {g['kv_ratio_vs_hf_analytic']:.3f}).")
+    else:
+        out.append("HF num_return_sequences ran at no cost point (baseline_max_tokens), so no speedup was measured.")
+    return out

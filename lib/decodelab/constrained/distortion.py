@@ -1,0 +1,428 @@
+"""Exact distributions over a small finite language L: the target p(x | x in L) and what masking samples.
+
+A string s in L can be spelled by many token sequences (byte-level BPE: "yes" = [yes] = [y, es] = ...).
+The model's probability of the string sums over all of them:
+
+    p(s) = sum_{t : decode(t) = s} prod_i p(t_i | prompt, t_<i) * p(EOS | prompt, t)
+    p(s | L) = p(s) / p(L),   p(L) = sum_{s in L} p(s)
+
+Masked decoding samples token by token from the locally renormalized distribution: at a prefix t_<i
+the mask keeps the tokens that can still end in L (every tokenization counts) plus EOS when the text
+so far is in L, so
+
+    q(t) = prod_i p(t_i | t_<i) / Z(t_<i),   Z(t_<i) = sum_{allowed a} p(a | t_<i),   q(s) = sum_t q(t)
+
+and q != p(. | L) whenever the Z's differ between paths (Park et al., NeurIPS 2024).
+
+All token sequences spelling a prefix of some s in L form a trie (`build_trie`); every node needs one
+model evaluation. `score_trie` runs all of them in a few forward passes with tree attention: the prompt's
+KV cache is computed once and each trie node attends to the prompt plus its own ancestors (the KV cache
+is shared along the token tree), with RoPE position = prompt length + depth.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+# ---------------------------------------------------------------- the token trie
+
+@dataclass
+class TokenTrie:
+    """Node 0 is the root (the empty continuation). Nodes are numbered parents-first."""
+
+    tokens: list[int] = field(default_factory=lambda: [-1])
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    children: list[dict[int, int]] = field(default_factory=lambda: [{}])
+    complete: list[str | None] = field(default_factory=lambda: [None])  # the string of L a node spells in full
+    strings: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    # filled by score_trie: log p(token | node) for each child token and for EOS (sum over stop ids)
+    child_logp: list[dict[int, float]] | None = None
+    eos_logp: list[float] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add_child(self, node: int, token: int) -> int:
+        child = self.children[node].get(token)
+        if child is None:
+            child = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(node)
+            self.depths.append(self.depths[node] + 1)
+            self.children.append({})
+            self.complete.append(None)
+            self.children[node][token] = child
+        return child
+
+    def path(self, node: int) -> list[int]:
+        """Token ids from the root to `node`."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
+    def find(self, tokens: list[int]) -> int | None:
+        node = 0
+        for token in tokens:
+            node = self.children[node].get(token)
+            if node is None:
+                return None
+        return node
+
+    @property
+    def scored(self) -> bool:
+        return self.child_logp is not None
+
+    def allowed_logp(self, node: int) -> dict[int, float]:
+        """log p of each token the mask allows at `node` (EOS under key -1 when the node completes a string)."""
+        out = dict(self.child_logp[node])
+        if self.complete[node] is not None:
+            out[-1] = self.eos_logp[node]
+        return out
+
+    def log_z(self, node: int) -> float:
+        """log Z(node): log of the probability mass the mask keeps at `node`."""
+        return _logsumexp(list(self.allowed_logp(node).values()))
+
+
+def _logsumexp(values: list[float]) -> float:
+    if not values:
+        return -math.inf
+    top = max(values)
+    if top == -math.inf:
+        return -math.inf
+    return top + math.log(sum(math.exp(v - top) for v in values))
+
+
+def token_bytes_table(tokenizer, vocab_size: int | None = None) -> list[bytes | None]:
+    """Each token id's bytes (None for special tokens): what the token spells in the output."""
+    import xgrammar as xgr
+
+    vocab_size = vocab_size or len(tokenizer)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    decoded = info.decoded_vocab
+    return [None if i in special or i >= len(decoded) or not decoded[i] else bytes(decoded[i])
+            for i in range(vocab_size)]
+
+
+def build_trie(strings: list[str], token_bytes: list[bytes | None], stop_token_ids: list[int], *,
+               max_nodes: int = 20_000) -> TokenTrie:
+    """The trie of every token sequence that spells a prefix of some string in `strings`.
+
+    token_bytes[i]: token i's bytes (None = never used as text). A node spelling a whole string is
+    marked complete (EOS allowed there). Raises ValueError past `max_nodes` (too many tokenizations).
+    """
+    if not strings:
+        raise ValueError("strings=[] must hold at least one string")
+    if len(set(strings)) != len(strings):
+        duplicates = sorted({s for s in strings if strings.count(s) > 1})
+        raise ValueError(f"strings must be distinct; duplicates: {duplicates}")
+    by_bytes: dict[bytes, list[int]] = {}
+    for token, piece in enumerate(token_bytes):
+        if piece:
+            by_bytes.setdefault(piece, []).append(token)
+    longest = max(len(piece) for piece in by_bytes)
+    trie = TokenTrie(strings=list(strings), stop_token_ids=list(stop_token_ids))
+
+    def spell(node: int, rest: bytes, string: str) -> None:
+        if not rest:
+            trie.complete[node] = string
+            return
+        for size in range(1, min(longest, len(rest)) + 1):
+            for token in by_bytes.get(rest[:size], ()):
+                spell(trie.add_child(node, token), rest[size:], string)
+                if len(trie) > max_nodes:
+                    raise ValueError(
+                        f"the token trie of strings={strings[:5]!r}... exceeds max_nodes={max_nodes}: too many "
+                        "tokenizations to enumerate exactly; use shorter strings or raise max_nodes"
+                    )
+
+    for string in strings:
+        spell(0, string.encode("utf-8"), string)
+    missing = [s for s in strings if s not in set(c for c in trie.complete if c is not None)]
+    if missing:
+        raise ValueError(f"strings {missing!r} cannot be spelled with this vocabulary")
+    return trie
+
+
+# ---------------------------------------------------------------- tree attention over the trie
+
+class TreeCache:
+    """A KV cache for scoring a token tree in chunks: same `attend` interface as `transformer.KVCache`.
+
+    Slots [0, P) hold the prompt; trie node i (i >= 1) lives in slot P + i - 1. A chunk of nodes sees the
+    prompt plus each node's ancestors (and itself); RoPE positions are P + depth - 1. Batch size 1.
+    """
+
+    def __init__(self, base, prompt_len: int, parents: list[int], depths: list[int]):
+        self.base = base
+        self.prompt_len = prompt_len
+        self.lengths = base.lengths
+        n = len(parents)
+        # ancestors[i, j]: node j is node i or an ancestor of it (j >= 1); parents-first order lets one pass fill it
+        ancestors = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(1, n):
+            if parents[i] > 0:
+                ancestors[i] = ancestors[parents[i]]
+            ancestors[i, i] = True
+        self._ancestors = ancestors[:, 1:]  # columns: slots P + 0 .. P + n - 2
+        self._depths = torch.tensor(depths, dtype=torch.long)
+        self._chunk: tuple[int, int] | None = None
+
+    def set_chunk(self, start: int, stop: int) -> None:
+        """The next forward scores nodes [start, stop) (all ancestors already in the cache or in the chunk)."""
+        self._chunk = (start, stop)
+
+    def positions(self, n_tokens: int) -> torch.Tensor:
+        start, stop = self._chunk
+        assert stop - start == n_tokens
+        return (self.prompt_len + self._depths[start:stop] - 1)[None].to(self.lengths.device)
+
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        start, stop = self._chunk
+        span = self.prompt_len + stop - 1
+        if span > self.base.max_len:
+            raise ValueError(f"KV cache overflow: need {span} positions, max_len={self.base.max_len}")
+        visible = torch.zeros(1, stop - start, span, dtype=torch.bool)
+        visible[0, :, : self.prompt_len] = True
+        visible[0, :, self.prompt_len:] = self._ancestors[start:stop, : stop - 1]
+        self._visible = visible.to(self.lengths.device)
+        self._span = span
+
+    def attend(self, slot, q, k_new, v_new, positions):
+        """Write the chunk's keys/values at their slots, attend over prompt + ancestors. Shapes as KVCache.attend."""
+        from decodelab.core.kv_cache import grouped_attention
+
+        start, stop = self._chunk
+        where = torch.arange(self.prompt_len + start - 1, self.prompt_len + stop - 1, device=q.device)
+        keys, values = self.base.keys[slot], self.base.values[slot]
+        keys[0, :, where] = k_new[0]
+        values[0, :, where] = v_new[0]
+        return grouped_attention(q, keys[:, :, : self._span], values[:, :, : self._span], self._visible)
+
+    def crop(self, new_lengths: torch.Tensor) -> None:
+        self.lengths = new_lengths.to(self.lengths)
+
+
+@torch.inference_mode()
+def score_trie(model, prompt: list[int], trie: TokenTrie, *, chunk_size: int = 256) -> TokenTrie:
+    """Fill trie.child_logp / trie.eos_logp with the model's next-token log-probs at every node.
+
+    One prefill of the prompt, then ceil((N - 1) / chunk_size) tree-attention forwards. Returns the trie.
+    """
+    from decodelab.core.engine import as_transformer
+
+    tr = as_transformer(model)
+    n = len(trie)
+    cache = tr.new_cache(1, len(prompt) + n)
+    root_logits = tr.forward(torch.tensor([prompt], device=tr.device), cache, logits_at="last")
+    tree = TreeCache(cache, len(prompt), trie.parents, trie.depths)
+    logps = [torch.log_softmax(root_logits[0].float(), -1)]
+    for start in range(1, n, chunk_size):
+        stop = min(n, start + chunk_size)
+        tree.set_chunk(start, stop)
+        tokens = torch.tensor([trie.tokens[start:stop]], device=tr.device)
+        logits = tr.forward(tokens, tree, logits_at="all")[0]
+        logps.extend(torch.log_softmax(logits.float(), -1))
+    stops = list(trie.stop_token_ids)
+    trie.child_logp = []
+    trie.eos_logp = []
+    for node, logp in enumerate(logps):
+        kids = trie.children[node]
+        ids = list(kids)
+        values = logp[ids].tolist() if ids else []
+        trie.child_logp.append(dict(zip(ids, values)))
+        trie.eos_logp.append(float(torch.logsumexp(logp[stops], 0)))
+    return trie
+
+
+# ---------------------------------------------------------------- exact distributions
+
+@dataclass
+class ExactDistributions:
+    """Probabilities over L (dicts string -> probability, each summing to 1) and the mass of L."""
+
+    strings: list[str]
+    target: dict[str, float]            # p(s | L), all tokenizations
+    target_canonical: dict[str, float]  # p(canonical(s)) renormalized over L: what canonical-only scoring gives
+    masked: dict[str, float]            # q(s): masked sampling, all tokenizations allowed
+    masked_canonical: dict[str, float]  # masked sampling when the mask keeps only canonical-token paths
+    log_p_language: float               # log p(L) under unconstrained sampling
+    n_tokenizations: dict[str, int]
+    noncanonical_mass: float            # share of masked samples whose tokens are not the canonical ones
+
+    def table(self):
+        import pandas as pd
+
+        return pd.DataFrame({
+            "string": self.strings,
+            "target": [self.target[s] for s in self.strings],
+            "target_canonical": [self.target_canonical[s] for s in self.strings],
+            "masked": [self.masked[s] for s in self.strings],
+            "masked_canonical": [self.masked_canonical[s] for s in self.strings],
+            "n_tokenizations": [self.n_tokenizations[s] for s in self.strings],
+        })
+
+
+def exact_distributions(trie: TokenTrie, canonical: dict[str, list[int]]) -> ExactDistributions:
+    """Enumerate every complete path of a scored trie. canonical: string -> its canonical token ids."""
+    if not trie.scored:
+        raise ValueError("trie is not scored: call score_trie(model, prompt, trie) first")
+    log_z = [trie.log_z(node) for node in range(len(trie))]
+    # forward pass over nodes (parents first): log p(path) and log q(path) from the root
+    log_p = [0.0] * len(trie)
+    log_q = [0.0] * len(trie)
+    for node in range(1, len(trie)):
+        parent, token = trie.parents[node], trie.tokens[node]
+        step = trie.child_logp[parent][token]
+        log_p[node] = log_p[parent] + step
+        log_q[node] = log_q[parent] + step - log_z[parent]
+    p_string = {s: [] for s in trie.strings}
+    q_string = {s: [] for s in trie.strings}
+    for node, string in enumerate(trie.complete):
+        if string is not None:
+            p_string[string].append(log_p[node] + trie.eos_logp[node])
+            q_string[string].append(log_q[node] + trie.eos_logp[node] - log_z[node])
+    log_p_s = {s: _logsumexp(v) for s, v in p_string.items()}
+    log_p_lang = _logsumexp(list(log_p_s.values()))
+    target = {s: math.exp(v - log_p_lang) for s, v in log_p_s.items()}
+    masked = {s: math.exp(_logsumexp(v)) for s, v in q_string.items()}
+
+    canon_nodes = {}
+    for s in trie.strings:
+        node = trie.find(list(canonical[s]))
+        if node is None or trie.complete[node] != s:
+            raise ValueError(f"canonical tokens {canonical[s]} of {s!r} do not spell it in this trie")
+        canon_nodes[s] = node
+    canon_log_p = {s: log_p[canon_nodes[s]] + trie.eos_logp[canon_nodes[s]] for s in trie.strings}
+    norm = _logsumexp(list(canon_log_p.values()))
+    target_canonical = {s: math.exp(v - norm) for s, v in canon_log_p.items()}
+    masked_canonical = _masked_on_paths(trie, canon_nodes)
+    noncanonical = 1.0 - sum(
+        math.exp(log_q[canon_nodes[s]] + trie.eos_logp[canon_nodes[s]] - log_z[canon_nodes[s]]) for s in trie.strings
+    )
+    return ExactDistributions(
+        strings=list(trie.strings), target=target, target_canonical=target_canonical, masked=masked,
+        masked_canonical=masked_canonical, log_p_language=log_p_lang,
+        n_tokenizations={s: len(v) for s, v in p_string.items()}, noncanonical_mass=max(0.0, noncanonical),
+    )
+
+
+def _masked_on_paths(trie: TokenTrie, ends: dict[str, int]) -> dict[str, float]:
+    """Masked sampling restricted to the sub-trie of the given paths (one end node per string)."""
+    keep: set[int] = set()
+    for node in ends.values():
+        while node >= 0:
+            keep.add(node)
+            node = trie.parents[node]
+    end_nodes = set(ends.values())
+    out = {}
+    for s, end in ends.items():
+        path = []
+        node = end
+        while node > 0:
+            path.append(node)
+            node = trie.parents[node]
+        logq = 0.0
+        for child in reversed(path):
+            parent = trie.parents[child]
+            allowed = [lp for tok, lp in trie.child_logp[parent].items() if trie.children[parent][tok] in keep]
+            if parent in end_nodes:
+                allowed.append(trie.eos_logp[parent])
+            logq += trie.child_logp[parent][trie.tokens[child]] - _logsumexp(allowed)
+        allowed = [lp for tok, lp in trie.child_logp[end].items() if trie.children[end][tok] in keep]
+        allowed.append(trie.eos_logp[end])
+        logq += trie.eos_logp[end] - _logsumexp(allowed)
+        out[s] = math.exp(logq)
+    return out
+
+
+# ---------------------------------------------------------------- divergences
+
+def kl(p: dict[str, float], q: dict[str, float]) -> float:
+    """KL(p || q) = sum_s p(s) log(p(s) / q(s)) in nats (inf if q misses mass p has)."""
+    total = 0.0
+    for s, ps in p.items():
+        if ps <= 0:
+            continue
+        qs = q.get(s, 0.0)
+        if qs <= 0:
+            return math.inf
+        total += ps * math.log(ps / qs)
+    # Gibbs: KL >= 0 for distributions that each sum to 1. Only rounding may dip below 0; a clearly negative
+    # sum means p or q is not normalized, and is returned as it is so that a check on KL >= 0 catches it.
+    return 0.0 if -1e-9 < total < 0 else total
+
+
+def tv(p: dict[str, float], q: dict[str, float]) -> float:
+    """Total variation 0.5 * sum_s |p(s) - q(s)|."""
+    keys = set(p) | set(q)
+    return 0.5 * sum(abs(p.get(s, 0.0) - q.get(s, 0.0)) for s in keys)
+
+
+# ---------------------------------------------------------------- tasks (experiment 1)
+
+def default_tasks_file():
+    from decodelab.workloads.paths import data_file
+
+    return data_file("constrained_tasks.json")
+
+
+def load_tasks(path=None, names: list[str] | None = None) -> list[dict]:
+    """Task definitions {name, category, question, strings} from `path` (default: the shipped file)."""
+    import json
+    from pathlib import Path
+
+    from decodelab.workloads.paths import resolve_path
+
+    path = resolve_path(path, name="tasks_file") if path else default_tasks_file()
+    try:
+        tasks = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"tasks_file={str(path)!r} is not valid JSON: {error}") from None
+    if not isinstance(tasks, list) or not tasks or not all(isinstance(t, dict) and {"name", "strings"} <= set(t)
+                                                             for t in tasks):
+        raise ValueError(f"tasks_file={str(path)!r} must hold a non-empty JSON list of {{name, question, strings}}")
+    if names is None:
+        return tasks
+    by_name = {t["name"]: t for t in tasks}
+    if not isinstance(names, (list, tuple)) or not names:
+        raise ValueError(f"tasks={names!r} must be a non-empty list of task names from {str(path)!r}: {list(by_name)}")
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"tasks={unknown!r} are not in tasks_file={str(path)!r}; its tasks: {list(by_name)}")
+    return [by_name[n] for n in names]
+
+
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    """A user turn + the assistant header, as token ids (the answer starts right after)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def task_distortion(model, tokenizer, task: dict, token_bytes: list[bytes | None], stop_token_ids: list[int],
+                    *, max_nodes: int = 20_000) -> tuple[TokenTrie, ExactDistributions, dict]:
+    """Build, score and enumerate one task's trie -> (trie, exact distributions, summary row)."""
+    trie = build_trie(task["strings"], token_bytes, stop_token_ids, max_nodes=max_nodes)
+    score_trie(model, chat_prompt(tokenizer, task["question"]), trie)
+    canonical = {s: tokenizer(s, add_special_tokens=False).input_ids for s in task["strings"]}
+    exact = exact_distributions(trie, canonical)
+    row = {
+        "task": task["name"], "category": task.get("category", ""), "strings": len(task["strings"]),
+        "trie_nodes": len(trie), "tokenizations": sum(exact.n_tokenizations.values()),
+        "p_language": math.exp(exact.log_p_language),
+        "kl_masked": kl(exact.target, exact.masked), "tv_masked": tv(exact.target, exact.masked),
+        "kl_masked_canonical": kl(exact.target, exact.masked_canonical),
+        "tv_masked_canonical": tv(exact.target, exact.masked_canonical),
+        "kl_canonical_target": kl(exact.target, exact.target_canonical),
+        "noncanonical_mass": exact.noncanonical_mass,
+        "top_target": max(exact.target, key=exact.target.get), "top_masked": max(exact.masked, key=exact.masked.get),
+    }
+    return trie, exact, row

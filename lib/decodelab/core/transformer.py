@@ -1,0 +1,157 @@
+"""Our decode-ready forward pass over a transformers Llama/Qwen2-family model's weights.
+
+Why our own forward: the research needs a KV cache that transformers' caches don't offer in one place:
+per-row lengths (ragged prompts and ragged speculative advance), O(1) rollback of a row, running a subset
+of layers (layer-skip self-drafting), and pluggable attention (a shared-prefix cache). The weights are the
+transformers model's own tensors (no copy), so the two can be compared token for token.
+
+Shapes: B batch rows, T new tokens per row in this call, S cache positions, H query heads, K key/value
+heads (K divides H), D head dim, E hidden size, V vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+
+from decodelab.core.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def head_dim_of(config) -> int:
+    """Per-head width of a transformers config: its `head_dim` when set (Qwen3, Gemma), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_layers(config) -> list[int]:
+    """Layers that attend through a sliding window shorter than the model's context ([] = none).
+
+    Mistral sets `sliding_window` for every layer; Qwen2/3 only with `use_sliding_window` (their config
+    then lists "sliding_attention" in `layer_types` for layers >= max_window_layers). A window that
+    covers max_position_embeddings never cuts anything off, so it counts as full attention.
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None or window >= config.max_position_embeddings:
+        return []
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    return list(range(config.num_hidden_layers))
+
+
+def check_supported(config) -> None:
+    """Raise ValueError unless our forward computes this config's attention exactly (before weights load)."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type={config.model_type!r} is not supported by decodelab's engine; "
+            f"supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    layers = sliding_window_layers(config)
+    if layers:
+        raise ValueError(
+            f"model_type={config.model_type!r} uses sliding-window attention (sliding_window={config.sliding_window} "
+            f"on {len(layers)} of {config.num_hidden_layers} layers, max_position_embeddings="
+            f"{config.max_position_embeddings}); decodelab's engine attends over the whole cache and would decode "
+            "it wrongly. Allowed: models without a sliding window, or with a window >= max_position_embeddings"
+        )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Transformer(torch.nn.Module):
+    """A decode forward over a transformers causal LM's modules (Llama, Qwen2/3, Mistral layouts)."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        config = hf_model.config
+        check_supported(config)
+        self.hf_model = hf_model
+        self.config = config
+        inner = hf_model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.final_norm = inner.norm
+        self.lm_head = hf_model.lm_head
+        self.rotary = inner.rotary_emb
+        self.n_layers = config.num_hidden_layers
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+
+    @classmethod
+    def from_hf(cls, hf_model) -> "Transformer":
+        return cls(hf_model)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int, max_len: int, n_layers: int | None = None) -> KVCache:
+        return KVCache(n_layers or self.n_layers, batch_size, self.n_kv_heads, self.head_dim, max_len,
+                       dtype=self.dtype, device=self.device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) -> (B, T, E)"""
+        return self.embed_tokens(tokens)
+
+    def _attention(self, layer, slot: int, x: torch.Tensor, cos, sin, cache, positions) -> torch.Tensor:
+        attn = layer.self_attn
+        batch, n_new, _ = x.shape
+        q = attn.q_proj(x).view(batch, n_new, self.n_heads, self.head_dim)
+        k = attn.k_proj(x).view(batch, n_new, self.n_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(batch, n_new, self.n_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalizes q and k per head before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # RoPE: x * cos + rotate_half(x) * sin, with cos/sin (B, 1, T, D) for each row's own positions.
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = cache.attend(slot, q, k, v, positions)
+        return attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
+
+    def hidden_states(self, tokens: torch.Tensor, cache, *, layers=None) -> torch.Tensor:
+        """Run the decoder stack (or the `layers` subset) on tokens: (B, T) -> final-normed (B, T, E)."""
+        positions = cache.positions(tokens.shape[1])
+        cache.begin_forward(positions)
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rotary(x, positions)
+        cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+        layer_ids = range(self.n_layers) if layers is None else layers
+        for slot, index in enumerate(layer_ids):
+            layer = self.layers[index]
+            x = x + self._attention(layer, slot, layer.input_layernorm(x), cos, sin, cache, positions)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.final_norm(x)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, cache, *, n_new: torch.Tensor | None = None, layers=None,
+                logits_at: str = "all", return_hidden: bool = False):
+        """Append `tokens` to each row of `cache` and return logits.
+
+        tokens: (B, T) long; n_new: (B,) valid tokens per row (default T; right padding past it is scratch).
+        logits_at: "all" -> (B, T, V); "last" -> each row's last valid token (B, V); "none" -> None.
+        With return_hidden, returns (logits, hidden) where hidden (B, T, E) feeds the LM head.
+        """
+        batch, n_tokens = tokens.shape
+        if n_new is None:
+            n_new = torch.full((batch,), n_tokens, dtype=torch.long, device=tokens.device)
+        hidden = self.hidden_states(tokens, cache, layers=layers)
+        cache.crop(cache.lengths + n_new)
+        if logits_at == "all":
+            logits = self.lm_head(hidden)
+        elif logits_at == "last":
+            last = hidden[torch.arange(batch, device=hidden.device), n_new - 1]
+            logits = self.lm_head(last)
+        elif logits_at == "none":
+            logits = None
+        else:
+            raise ValueError(f"logits_at={logits_at!r} must be 'all', 'last' or 'none'")
+        return (logits, hidden) if return_hidden else logits

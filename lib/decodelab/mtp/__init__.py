@@ -1,0 +1,1 @@
+"""Notebook 03: multi-token prediction (model, data, training, self-speculation, findings)."""

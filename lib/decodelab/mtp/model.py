@@ -1,0 +1,531 @@
+"""Multi-token prediction: extra heads on a causal LM, their memory-lean backward, and their use as drafters.
+
+Two head designs share one trunk (a transformers `LlamaForCausalLM`, so the decode engine runs it):
+
+- "gloeckle" (Gloeckle et al. 2024): head j (j = 2..n) is one transformer layer reading the trunk's
+  final-normed hidden state h_i and predicting t_{i+j} through the shared final norm + unembedding.
+  Head 1 is the trunk's own LM head. All heads read the same h, so they are independent given h.
+- "deepseek" (DeepSeek-V3): module k (k = 1..n-1) is sequential:
+      s^k_i = Block_k( W_k [RMSNorm(s^{k-1}_i); RMSNorm(Emb(t_{i+k}))] ),   s^0 = h,
+  predicting t_{i+k+1} through the shared head, with loss weight lambda / (n - 1).
+
+Placement note: the extra heads read the trunk's *final* hidden state (the input of its LM head), not
+the state one layer below as in Gloeckle's figure. Drafting then needs only what the target's own
+verify step computes (`return_hidden=True`), and parameter matching still trades n - 1 trunk layers for
+n - 1 head layers (see `trunk_layers`).
+
+The loss (`mtp_loss`) can backpropagate "sequential"ly (Gloeckle's memory trick): detach h, run each
+head's forward + backward alone so its (B, T, V) logits are freed before the next head starts, sum the
+gradients at h, then backpropagate the trunk once. Peak memory stays ~ one head's, not n heads'.
+
+Shapes: B batch, T tokens, D hidden size, V vocabulary, n heads (head 1 = next token).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decodelab.core.transformer import rotate_half
+
+STYLES = ("gloeckle", "deepseek")
+BACKWARD_MODES = ("sequential", "joint", "none")
+
+
+@dataclass
+class MTPConfig:
+    """What defines an MTP model (saved with checkpoints as mtp_config.json)."""
+
+    style: str = "gloeckle"
+    n_heads: int = 1  # 1 = plain next-token model
+    mtp_weight: float | None = None  # loss weight of the extra heads; None -> 1.0 (gloeckle) / 0.3 (deepseek)
+
+    def __post_init__(self):
+        if self.style not in STYLES:
+            raise ValueError(f"mtp_style={self.style!r} must be one of {STYLES}")
+        if not isinstance(self.n_heads, int) or self.n_heads < 1:
+            raise ValueError(f"n_heads={self.n_heads!r} must be an int >= 1")
+        if self.mtp_weight is not None and self.mtp_weight < 0:
+            raise ValueError(f"mtp_weight={self.mtp_weight!r} must be >= 0")
+
+    def head_weights(self) -> list[float]:
+        """Loss weight per head, head 1 first: Gloeckle sums the heads; DeepSeek adds lambda/D * sum."""
+        extra = self.n_heads - 1
+        if self.style == "gloeckle":
+            return [1.0] + [1.0 if self.mtp_weight is None else self.mtp_weight] * extra
+        lam = 0.3 if self.mtp_weight is None else self.mtp_weight
+        return [1.0] + [lam / extra] * extra if extra else [1.0]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def trunk_layers(n_layers: int, n_heads: int, match_params: bool = True) -> int:
+    """Trunk depth: with match_params, the n - 1 extra head layers are taken from an n_layers budget."""
+    trunk = n_layers - (n_heads - 1) if match_params else n_layers
+    if trunk < 1:
+        raise ValueError(f"n_layers={n_layers} leaves no trunk layer for n_heads={n_heads} (needs n_layers >= n_heads)")
+    return trunk
+
+
+def build_trunk(*, vocab_size: int, d_model: int, n_layers: int, n_attn_heads: int = 4, n_kv_heads: int = 2,
+                intermediate_size: int | None = None, max_len: int = 1024, seed: int = 0):
+    """A freshly initialized LlamaForCausalLM (tied embeddings) from `decodelab.core.models.tiny_config`.
+
+    Initialization is seeded without touching the caller's global RNG (fork_rng restores it).
+    """
+    from transformers import LlamaForCausalLM
+
+    from decodelab.core.models import tiny_config
+
+    if d_model % n_attn_heads:
+        raise ValueError(f"d_model={d_model} must be divisible by n_attn_heads={n_attn_heads}")
+    config = tiny_config(vocab_size=vocab_size, hidden_size=d_model, num_layers=n_layers, num_heads=n_attn_heads,
+                         num_kv_heads=n_kv_heads, intermediate_size=intermediate_size or 3 * d_model,
+                         max_position_embeddings=max_len)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config, attend) -> torch.Tensor:
+    """A Llama decoder layer, (B, T, D) -> (B, T, D): x + Attn(norm(x)), then + MLP(norm(.)).
+
+    The same maths as `decodelab.core.transformer.Transformer`; RoPE with cos/sin (B, 1, T, d_head).
+    attend(q (B, H, T, d), k, v (B, K, T, d)) -> (B, H, T, d) is the attention itself: causal over the
+    sequence in training, through a KV cache when drafting.
+    """
+    attn = layer.self_attn
+    batch, n_tok, _ = x.shape
+    n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    y = layer.input_layernorm(x)
+    q = attn.q_proj(y).view(batch, n_tok, n_heads, head_dim).transpose(1, 2)
+    k = attn.k_proj(y).view(batch, n_tok, n_kv, head_dim).transpose(1, 2)
+    v = attn.v_proj(y).view(batch, n_tok, n_kv, head_dim).transpose(1, 2)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    out = attend(q, k, v)
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, n_tok, n_heads * head_dim))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config) -> torch.Tensor:
+    """A Llama decoder layer over a whole causal sequence: (B, T, D) -> (B, T, D)."""
+    gqa = config.num_key_value_heads != config.num_attention_heads
+    return decoder_layer(layer, x, cos, sin, config,
+                         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa))
+
+
+class DeepSeekModule(nn.Module):
+    """One sequential MTP module: Block(W [RMSNorm(s); RMSNorm(emb)]): (B, T, D), (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, config, layer_idx: int):
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+        super().__init__()
+        d = config.hidden_size
+        self.norm_state = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.norm_embed = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.proj = nn.Linear(2 * d, d, bias=False)
+        self.block = LlamaDecoderLayer(config, layer_idx)
+
+    def combine(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.cat([self.norm_state(state), self.norm_embed(embedded)], dim=-1))
+
+
+class MTPModel(nn.Module):
+    """A trunk LlamaForCausalLM plus n - 1 extra heads (Gloeckle layers or DeepSeek modules).
+
+    frozen_trunk=True is the retrofit setting (Medusa-1): the trunk, its embedding, final norm and
+    LM head get no gradients and are never modified; only the extra heads train.
+    identity_init (default: frozen_trunk) starts every head as the identity on its input (zero output
+    projections; DeepSeek's W = [I, 0]), as Medusa zero-initializes its heads: a retrofit head then
+    starts from the model's own next-token guess instead of noise.
+    """
+
+    def __init__(self, trunk, config: MTPConfig, *, frozen_trunk: bool = False, seed: int = 0,
+                 identity_init: bool | None = None):
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        super().__init__()
+        self.trunk = trunk
+        self.config = config
+        self.frozen_trunk = frozen_trunk
+        tc = trunk.config
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            if config.style == "gloeckle":
+                heads = [LlamaDecoderLayer(tc, tc.num_hidden_layers + j) for j in range(config.n_heads - 1)]
+            else:
+                heads = [DeepSeekModule(tc, tc.num_hidden_layers + j) for j in range(config.n_heads - 1)]
+        self.heads = nn.ModuleList(heads).to(device=trunk.device, dtype=trunk.dtype)
+        if frozen_trunk if identity_init is None else identity_init:
+            self._identity_init()
+        if frozen_trunk:
+            trunk.requires_grad_(False)
+
+    @torch.no_grad()
+    def _identity_init(self) -> None:
+        for module in self.heads:
+            layer = module if self.config.style == "gloeckle" else module.block
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            if self.config.style == "deepseek":
+                d = module.proj.weight.shape[0]
+                module.proj.weight.zero_()
+                module.proj.weight[:, :d].copy_(torch.eye(d))
+
+    @property
+    def n_heads(self) -> int:
+        return self.config.n_heads
+
+    @property
+    def device(self) -> torch.device:
+        return self.trunk.device
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # -- forward pieces ------------------------------------------------------------------------
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Trunk: (B, T) -> final-normed hidden (B, T, D), the input of the LM head."""
+        ctx = torch.no_grad() if self.frozen_trunk else contextlib.nullcontext()
+        with ctx:
+            return self.trunk.model(input_ids=tokens).last_hidden_state
+
+    def rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (1, 1, T, d_head) for positions 0..T-1 of x (B, T, D)."""
+        positions = torch.arange(x.shape[1], device=x.device)[None]
+        cos, sin = self.trunk.model.rotary_emb(x, positions)
+        return cos[:, None], sin[:, None]
+
+    def unembed(self, state: torch.Tensor, head: int) -> torch.Tensor:
+        """(B, T, D) -> (B, T, V). Head 1 reads the already-normed h; extra heads go through the final norm."""
+        if head == 1:
+            return self.trunk.lm_head(state)
+        return self.trunk.lm_head(self.trunk.model.norm(state))
+
+    def head_state(self, j: int, source: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Head j >= 2's state before unembedding.
+
+        gloeckle: source = h (B, T, D) -> Layer_j(h) (B, T, D).
+        deepseek: source = s^{j-2} (B, T-j+2, D) -> s^{j-1} (B, T-j+1, D), reading Emb(t_{i+j-1}).
+        """
+        module = self.heads[j - 2]
+        if self.config.style == "gloeckle":
+            cos, sin = self.rope(source)
+            return layer_forward(module, source, cos, sin, self.trunk.config)
+        k = j - 1  # module depth
+        length = tokens.shape[1] - k
+        embedded = self.trunk.model.embed_tokens(tokens[:, k:k + length])
+        x = module.combine(source[:, :length], embedded)
+        cos, sin = self.rope(x)
+        return layer_forward(module.block, x, cos, sin, self.trunk.config)
+
+    def head_logits(self, tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """All heads' logits: head j -> (B, T_j, V), position i predicting t_{i+j}.
+
+        hidden (B, T, D), optional: precomputed trunk states (frozen trunk only) instead of running it.
+        """
+        h = self.hidden(tokens) if hidden is None else hidden
+        out, source = [self.unembed(h, 1)], h
+        for j in range(2, self.n_heads + 1):
+            state = self.head_state(j, h if self.config.style == "gloeckle" else source, tokens)
+            source = state
+            out.append(self.unembed(state, j))
+        return out
+
+
+def head_loss(logits: torch.Tensor, tokens: torch.Tensor, j: int) -> torch.Tensor:
+    """Mean cross-entropy of head j: logits (B, T', V) at positions i predict tokens[:, i + j]."""
+    n_valid = tokens.shape[1] - j
+    if n_valid < 1:
+        raise ValueError(f"seq_len={tokens.shape[1]} is too short for head {j}: needs seq_len > n_heads")
+    logits = logits[:, :n_valid]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, j:j + n_valid].reshape(-1))
+
+
+def mtp_loss(model: MTPModel, tokens: torch.Tensor, *, backward: str = "sequential",
+             hidden: torch.Tensor | None = None) -> dict:
+    """Per-head losses of one batch, optionally backpropagated: tokens (B, T) -> {"loss", "head_losses"}.
+
+    backward:
+      "sequential"  Gloeckle's memory-lean order. h_d = h.detach() (leaf); for each head j:
+                    loss_j(head_j(h_d)).backward() frees head j's graph and adds dL_j/dh into h_d.grad;
+                    finally h.backward(h_d.grad) runs the trunk once with sum_j dL_j/dh. DeepSeek modules
+                    are chained, so each module's output is detached too (its logits freed right away) and
+                    the module graphs are backpropagated last to first.
+      "joint"       one graph: sum_j w_j loss_j, then a single backward (all heads' logits alive at once).
+      "none"        forward only (evaluation).
+    Gradients equal sum_j w_j dL_j/dtheta in both backward modes (up to float summation order).
+    hidden (B, T, D), optional: precomputed trunk states, for a frozen trunk (retrofit) only.
+    """
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward={backward!r} must be one of {BACKWARD_MODES}")
+    if hidden is not None and not model.frozen_trunk:
+        raise ValueError("hidden= is only valid for a frozen trunk (retrofit): a trained trunk must run")
+    weights = model.config.head_weights()
+    if backward != "sequential":
+        ctx = torch.no_grad() if backward == "none" else contextlib.nullcontext()
+        with ctx:
+            all_logits = model.head_logits(tokens, hidden=hidden)
+            losses = [head_loss(lg, tokens, j) for j, lg in enumerate(all_logits, start=1)]
+            total = sum(w * loss for w, loss in zip(weights, losses))
+        if backward == "joint":
+            total.backward()
+        return {"loss": float(total.detach()), "head_losses": [float(x.detach()) for x in losses]}
+
+    h = model.hidden(tokens) if hidden is None else hidden
+    trunk_needs_grad = h.requires_grad
+    h_d = h.detach().requires_grad_(True)
+    losses, chain = [], []  # chain: (module output, its detached leaf) for DeepSeek, backpropagated last
+    source = h_d
+    for j in range(1, model.n_heads + 1):
+        if j == 1:
+            state = h_d
+        else:
+            state = model.head_state(j, h_d if model.config.style == "gloeckle" else source, tokens)
+            if model.config.style == "deepseek":
+                leaf = state.detach().requires_grad_(True)
+                chain.append((state, leaf))
+                state = source = leaf
+        if j == 1 and not trunk_needs_grad:  # frozen trunk (retrofit): head 1 trains nothing; skip its
+            losses.append(float("nan"))      # (B, T, V) logits (evaluate() still reports its loss)
+            continue
+        loss = head_loss(model.unembed(state, j), tokens, j)
+        (weights[j - 1] * loss).backward()  # frees this head's (B, T, V) logits now
+        losses.append(float(loss.detach()))
+    for state, leaf in reversed(chain):  # module k's leaf.grad is complete once module k+1 has run
+        if leaf.grad is not None:
+            state.backward(leaf.grad)
+    if trunk_needs_grad and h_d.grad is not None:
+        h.backward(h_d.grad)
+    total = sum(w * loss for w, loss in zip(weights, losses) if loss == loss)  # NaN: skipped head 1
+    return {"loss": total, "head_losses": losses}
+
+
+# -- drafting ----------------------------------------------------------------------------------------
+def layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, slot: int,
+               positions: torch.Tensor, config) -> torch.Tensor:
+    """`layer_forward` with a KV cache (decodelab.core.kv_cache.KVCache slot): (B, T, D) -> (B, T, D).
+
+    cos, sin: (B, 1, T, d_head) for `positions` (B, T); `cache.begin_forward(positions)` must have run.
+    """
+    return decoder_layer(layer, x, cos, sin, config, lambda q, k, v: cache.attend(slot, q, k, v, positions))
+
+
+class MTPDrafter:
+    """The trained heads as a drafter (`decodelab.speculation.drafters.Drafter` protocol): head j drafts t_{p+j}.
+
+    The heads are transformer layers, so they keep their own KV cache over the target's positions.
+    `observe(hidden, n_new, next_tokens)` appends the target's final-normed states of the positions it just
+    added to its cache; `propose` then unembeds each head's state at the last position (cheap: no
+    forward beyond the heads). Head j >= 2 gives draft j - 1, so k <= n_heads - 1 real drafts
+    (more are padding, marked by `lengths`).
+
+    The heads attend over every earlier position, so they need the target's state at *every* position
+    it caches, not only the last. Two ways in give them that: a loop that calls `observe` after each
+    target forward (`self_speculative_generate`), or the DraftContext fields `new_hidden` (B, T, D) +
+    `new_hidden_lengths` (B,), which `decodelab.speculation.decode.generate` fills for `needs_hidden` drafters.
+    A loop that sets only `ctx.last_hidden` makes the drafter observe that one position per step:
+    proposals stay valid, but the heads' context has gaps and acceptance drops.
+    DeepSeek modules draft with depth 1 only (module 2 would need an unverified draft as input).
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, model: MTPModel):
+        if model.n_heads < 2:
+            raise ValueError(f"n_heads={model.n_heads} has no extra head to draft with (needs >= 2)")
+        if model.config.style == "deepseek" and model.n_heads > 2:
+            raise ValueError(f"mtp_style='deepseek' drafts with depth 1 only; got n_heads={model.n_heads} (allowed: 2)")
+        self.model = model
+        self.cache = None
+        self._last = None
+        self._fed = False
+
+    def begin(self, prompts: list[list[int]], *, max_len: int) -> None:
+        from decodelab.core.kv_cache import KVCache
+
+        tc = self.model.trunk.config
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        self.cache = KVCache(len(self.model.heads), len(prompts), tc.num_key_value_heads, head_dim, max_len,
+                             dtype=self.model.trunk.dtype, device=self.model.device)
+        self._last, self._fed = None, False
+
+    @torch.inference_mode()
+    def observe(self, hidden: torch.Tensor, n_new: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """hidden (B, T, D): target states of positions appended since the last call (row b: n_new[b] valid,
+        n_new[b] may be 0); next_tokens (B, T): the token that follows each of those positions."""
+        model, cache = self.model, self.cache
+        n_new = n_new.to(cache.lengths)
+        positions = cache.positions(hidden.shape[1])
+        cache.begin_forward(positions)
+        cos, sin = model.trunk.model.rotary_emb(hidden, positions)
+        cos, sin = cos[:, None].to(hidden.dtype), sin[:, None].to(hidden.dtype)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        last = (n_new - 1).clamp_min(0)
+        states = []
+        for slot, module in enumerate(model.heads):
+            if model.config.style == "gloeckle":
+                x, layer = hidden, module
+            else:  # depth-1 module: [RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]
+                x, layer = module.combine(hidden, model.trunk.model.embed_tokens(next_tokens)), module.block
+            out = layer_step(layer, x, cos, sin, cache, slot, positions, model.trunk.config)
+            states.append(out[rows, last])
+        cache.crop(cache.lengths + n_new)
+        new_last = torch.stack(states)  # (n_heads - 1, B, D)
+        keep = (n_new > 0)[None, :, None]
+        self._last = new_last if self._last is None else torch.where(keep, new_last, self._last)
+        self._fed = True
+
+    @torch.inference_mode()
+    def propose(self, ctx, k: int):
+        from decodelab.speculation.drafters import DraftProposal
+
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k={k!r} must be an int >= 1")
+        if not self._fed and ctx.new_hidden is not None:  # DraftContext.new_hidden: every newly cached state
+            self.observe(ctx.new_hidden, ctx.new_hidden_lengths,
+                         self._following(ctx.tokens, ctx.new_hidden_lengths, ctx.new_hidden.shape[1]))
+        elif not self._fed:  # a loop that gives only the last position's state
+            if ctx.last_hidden is None:
+                raise ValueError("MTPDrafter needs ctx.new_hidden or ctx.last_hidden (needs_hidden=True), "
+                                 "or an observe() before propose; the context carried neither")
+            pending = torch.tensor([row[-1] for row in ctx.tokens], device=self.model.device)
+            ones = torch.ones(ctx.batch_size, dtype=torch.long, device=self.model.device)
+            self.observe(ctx.last_hidden[:, None].to(self.model.trunk.dtype), ones, pending[:, None])
+        self._fed = False
+        logits = self.model.unembed(self._last, 2).float()  # (n_heads - 1, B, V)
+        n_real = min(k, logits.shape[0])
+        probs = None
+        if ctx.sampler is None:
+            tokens = logits[:n_real].argmax(-1).T  # (B, n_real)
+        else:
+            tokens = torch.stack([ctx.sampler.sample(logits[i], ctx.generator) for i in range(n_real)], dim=1)
+            probs = torch.stack([ctx.sampler.probs(logits[i]) for i in range(n_real)], dim=1)
+        lengths = None
+        if n_real < k:  # pad: verification rejects positions past `lengths`
+            pad = tokens[:, -1:].expand(-1, k - n_real)
+            tokens = torch.cat([tokens, pad], dim=1)
+            if probs is not None:
+                probs = torch.cat([probs, probs[:, -1:].expand(-1, k - n_real, -1)], dim=1)
+            lengths = torch.full((tokens.shape[0],), n_real, dtype=torch.long, device=tokens.device)
+        return DraftProposal(tokens=tokens, probs=probs, lengths=lengths)
+
+    def _following(self, tokens: list[list[int]], lengths: torch.Tensor, width: int) -> torch.Tensor:
+        """(B, width) the token after each newly cached position: row b's last lengths[b] cached positions
+        are len(tokens[b]) - 1 - lengths[b] .. len(tokens[b]) - 2 (the pending token is not cached yet)."""
+        out = torch.zeros((len(tokens), width), dtype=torch.long)
+        for b, (row, n) in enumerate(zip(tokens, lengths.tolist())):
+            if n:
+                out[b, :n] = torch.tensor(row[len(row) - n:])
+        return out.to(self.model.device)
+
+    def target(self):
+        """The trunk as the engine's `Transformer`: the model these heads draft for."""
+        from decodelab.core.transformer import Transformer
+
+        return Transformer.from_hf(self.model.trunk)
+
+    def rollback(self, n_accepted: torch.Tensor) -> None:
+        """Nothing to undo: the heads' cache only ever holds positions the target accepted."""
+
+    def __repr__(self) -> str:
+        return f"MTPDrafter(style={self.model.config.style!r}, n_heads={self.model.n_heads})"
+
+
+def load_mtp_drafter(checkpoint_dir, *, device=None, trunk=None) -> MTPDrafter:
+    """A checkpoint written by `mtp_train.save_checkpoint` -> its heads as an `MTPDrafter`.
+
+    From-scratch checkpoints carry their trunk (`drafter.target()` is the model to verify with);
+    retrofit checkpoints load the frozen model they name, or use `trunk` (a LlamaForCausalLM) if given.
+    """
+    from decodelab.mtp.train import load_checkpoint
+
+    return MTPDrafter(load_checkpoint(checkpoint_dir, device=device, trunk=trunk))
+
+
+@torch.inference_mode()
+def self_speculative_generate(model: MTPModel, prompts: list[list[int]], *, max_new_tokens: int = 64,
+                              k: int | None = None, eos_token_ids: list[int] | None = None):
+    """Greedy self-speculative decoding (Stern et al. 2018, Gloeckle et al. 2024): the heads draft,
+    the trunk's own LM head verifies all drafts in one forward, which also yields the states the heads
+    need next. Output equals plain greedy decoding of the trunk token for token.
+
+    -> `decodelab.speculation.decode.SpecResult` (tokens per row, SpecStats with tau and acceptance per head).
+    """
+    import time
+
+    from decodelab.core.engine import pad_prompts, synchronize
+    from decodelab.core.transformer import Transformer
+    from decodelab.speculation.decode import SpecResult, SpecStats
+    from decodelab.speculation.drafters import DraftContext
+    from decodelab.speculation.verify import greedy_verify
+
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    k = model.n_heads - 1 if k is None else k
+    if not isinstance(k, int) or not 1 <= k <= model.n_heads - 1:
+        raise ValueError(f"k={k!r} must be in [1, n_heads - 1 = {model.n_heads - 1}]")
+    eos = set(eos_token_ids or [])
+    tr = Transformer.from_hf(model.trunk)
+    drafter = MTPDrafter(model)
+    device, B = tr.device, len(prompts)
+    stats = SpecStats(batch_size=B, prompt_tokens=sum(map(len, prompts)), drafter=f"mtp-{model.config.style}")
+    synchronize(device)
+    start = time.perf_counter()
+    tokens, lengths = pad_prompts(prompts, device)
+    cache = tr.new_cache(B, tokens.shape[1] + max_new_tokens + 2 * k + 2)
+    logits, hidden = tr.forward(tokens, cache, n_new=lengths, logits_at="all", return_hidden=True)
+    rows = torch.arange(B, device=device)
+    pending = logits[rows, lengths - 1].argmax(-1)
+    following = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # token after each prompt position
+    following[rows, lengths - 1] = pending
+    drafter.begin(prompts, max_len=cache.max_len)
+    drafter.observe(hidden, lengths, following)
+    synchronize(device)
+    stats.prefill_s = time.perf_counter() - start
+    generated = [[] for _ in range(B)]
+    done = [False] * B
+    while not all(done):
+        start = time.perf_counter()
+        active = torch.tensor([not d for d in done], device=device)
+        old = cache.lengths.clone()
+        proposal = drafter.propose(DraftContext(tokens=[[0]] * B, active=active), k)
+        t_draft = time.perf_counter()
+        inputs = torch.cat([pending[:, None], proposal.tokens], dim=1)  # (B, k+1)
+        logits, hidden = tr.forward(inputs, cache, logits_at="all", return_hidden=True)
+        n, nxt = greedy_verify(proposal.tokens, logits, proposal.lengths)
+        cache.crop(torch.where(active, old + 1 + n, old))
+        # positions kept: pending + n drafts; the token after position i of `inputs` is the target's argmax
+        drafter.observe(hidden, torch.where(active, 1 + n, torch.zeros_like(n)), logits.argmax(-1))
+        emitted = torch.cat([pending[:, None], proposal.tokens], dim=1).tolist()
+        n_list = n.tolist()
+        synchronize(device)
+        end = time.perf_counter()
+        stats.step_k.append(k)
+        stats.draft_s.append(t_draft - start)
+        stats.verify_s.append(end - t_draft)
+        stats.step_s.append(end - start)
+        for b in range(B):
+            if done[b]:
+                continue
+            stats.row_steps += 1
+            stats.emitted += n_list[b] + 1
+            for i in range(min(n_list[b] + 1, k)):
+                stats.reached[i] += 1
+                stats.accepted[i] += int(i < n_list[b])
+            for t in emitted[b][: n_list[b] + 1]:
+                generated[b].append(t)
+                if t in eos or len(generated[b]) >= max_new_tokens:
+                    done[b] = True
+                    break
+        pending = nxt
+    stats.new_tokens = sum(map(len, generated))
+    return SpecResult(tokens=generated, stats=stats, finished=[any(t in eos for t in row) for row in generated])

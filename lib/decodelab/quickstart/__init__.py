@@ -1,0 +1,1 @@
+"""Notebook 00: our engine against transformers' generate(), like with like."""

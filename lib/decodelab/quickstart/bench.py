@@ -1,0 +1,241 @@
+"""Decode throughput: our engine against transformers' `generate()`, greedy, same prompts and lengths.
+
+Like with like: both sides decode the same prompts for exactly `max_new_tokens` per row with EOS
+disabled (neither stops a row early), in the model's dtype, timed by ONE outer wall clock around the
+whole call (prefill included) on each side. Repeats interleave the sides (ours, hf, ours, hf, ...);
+each side keeps its fastest call and reports the spread (slowest / fastest). Throughput counts the
+tokens each side actually returned, and `identical_rows` compares full rows token for token.
+`decodelab bench decode` writes the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from decodelab.core.engine import generate, synchronize
+
+BENCH_QUESTIONS = [
+    "Explain in a few sentences why the sky is blue.",
+    "Write a short story about a robot who learns to paint.",
+    "List five tips for writing clean Python code.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Describe the water cycle for a ten-year-old.",
+    "Give me a recipe for a simple tomato soup.",
+    "Why do leaves change colour in autumn?",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+]
+WARMUP_TOKENS = 2  # one untimed call per side and batch size: allocations for that shape happen here
+BATCH_SIZES = [1, 4, 16, 64]
+MAX_NEW_TOKENS = 128
+REPEATS = 3  # timed calls per side and batch size
+
+
+def chat_prompts(tokenizer, questions: list[str] = BENCH_QUESTIONS) -> list[list[int]]:
+    """One chat-formatted prompt per question (ragged lengths)."""
+    from decodelab.workloads.tasks import chat_prompt_ids
+
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+
+
+def prompt_batch(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
+    """`batch_size` prompts cycling through `prompts`."""
+    return [prompts[row % len(prompts)] for row in range(batch_size)]
+
+
+def ours_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Our engine, greedy, EOS disabled (`eos_token_ids=[]`): every row gets max_new_tokens tokens."""
+    return generate(model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=[]).tokens
+
+
+def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers `generate()` on left-padded prompts, greedy, EOS disabled: -> new tokens per row.
+
+    EOS must be disabled explicitly: `generate` fills an unset (None) `eos_token_id` from the model's
+    own generation_config, and would then stop (and pad) rows at EOS. An empty list survives that
+    merge and gives an EOS criterion that never fires. (`min_new_tokens` is no substitute: it masks the
+    EOS logits, which changes the argmax.)
+    """
+    from transformers import GenerationConfig
+
+    hf_model, device = model.hf_model, model.device
+    pad_id = model.tokenizer.pad_token_id if model.tokenizer is not None else 0
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
+                              eos_token_id=[], pad_token_id=pad_id)
+    with torch.no_grad():
+        out = hf_model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                generation_config=config)
+    return out[:, width:].tolist()
+
+
+IMPLS: dict[str, Callable] = {"ours": ours_greedy, "hf": hf_generate_greedy}
+
+
+def wall_clock(fn: Callable, model, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
+    """The one outer clock both sides share: device-synchronized wall seconds of the whole call."""
+    synchronize(model.device)
+    start = time.perf_counter()
+    tokens = fn(model, prompts, max_new_tokens)
+    synchronize(model.device)
+    return tokens, time.perf_counter() - start
+
+
+def identical_rows(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many rows are equal in full (same length, same tokens); raises if the row counts differ."""
+    if len(a) != len(b):
+        raise ValueError(f"cannot compare {len(a)} rows with {len(b)} rows")
+    return sum(row_a == row_b for row_a, row_b in zip(a, b))
+
+
+def compare_greedy(model, prompts: list[list[int]], max_new_tokens: int, *, repeats: int = REPEATS) -> list[dict]:
+    """Time both sides on one batch, interleaved: -> one row per side (see `decode_throughput`)."""
+    for fn in IMPLS.values():
+        fn(model, prompts, WARMUP_TOKENS)
+    seconds: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    tokens: dict[str, list[list[list[int]]]] = {impl: [] for impl in IMPLS}
+    for _ in range(repeats):
+        for impl, fn in IMPLS.items():  # ours, hf, ours, hf, ...
+            out, s = wall_clock(fn, model, prompts, max_new_tokens)
+            seconds[impl].append(s)
+            tokens[impl].append(out)
+    # a row counts as identical only if it is equal in every repeat
+    same = min(identical_rows(ours, hf) for ours, hf in zip(tokens["ours"], tokens["hf"]))
+    rows = []
+    for impl in IMPLS:
+        fastest, slowest = min(seconds[impl]), max(seconds[impl])
+        new_tokens = sum(len(row) for row in tokens[impl][0])
+        rows.append(dict(batch=len(prompts), impl=impl, tokens_per_s=new_tokens / fastest, seconds=fastest,
+                         seconds_max=slowest, spread=slowest / fastest - 1, repeats=repeats,
+                         new_tokens=new_tokens, identical_rows=same, rows=len(prompts)))
+    return rows
+
+
+def decode_throughput(model, batch_sizes: list[int], max_new_tokens: int = MAX_NEW_TOKENS, *, repeats: int = REPEATS,
+                      prompts: list[list[int]] | None = None, progress: bool = True) -> list[dict]:
+    """Greedy tokens/s of our engine and of HF `generate()` per batch size, and whether outputs agree.
+
+    prompts: token-id prompts each batch cycles through (default: the chat-formatted BENCH_QUESTIONS).
+    Returns rows {batch, impl, tokens_per_s, seconds, seconds_max, spread, repeats, new_tokens,
+    identical_rows, rows}: `seconds` is the fastest of `repeats` timed calls, `seconds_max` the slowest,
+    `spread` = seconds_max / seconds - 1; `new_tokens` the tokens that side returned (all rows), and
+    tokens_per_s = new_tokens / seconds. `identical_rows` (same on both sides' rows) counts rows whose
+    full token lists are equal in every repeat. Each side gets one untimed warm-up call per batch size.
+    """
+    for batch in batch_sizes:
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch_sizes contains {batch!r}; every batch size must be an integer >= 1")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
+    from tqdm.auto import tqdm
+
+    prompts = prompts if prompts is not None else chat_prompts(model.tokenizer)
+    rows = []
+    for batch in tqdm(batch_sizes, desc="decode benchmark", disable=not progress):
+        rows += compare_greedy(model, prompt_batch(prompts, batch), max_new_tokens, repeats=repeats)
+    return rows
+
+
+def ratio_table(rows: list[dict]) -> list[dict]:
+    """Per batch size: each side's tokens/s and seconds (fastest, slowest), ours/HF, identical rows."""
+    by_batch: dict[int, dict] = {}
+    for row in rows:
+        entry = by_batch.setdefault(row["batch"], {"batch": row["batch"]})
+        for key in ("tokens_per_s", "seconds", "seconds_max", "new_tokens"):
+            entry[f"{row['impl']}_{key}"] = row[key]
+        entry["identical_rows"] = f"{row['identical_rows']}/{row['rows']}"
+    for entry in by_batch.values():
+        entry["ratio"] = entry["ours_tokens_per_s"] / entry["hf_tokens_per_s"]
+    return list(by_batch.values())
+
+
+def markdown_table(table: list[dict]) -> str:
+    lines = ["| batch | ours tok/s | HF generate tok/s | ours / HF | ours s (min-max) | HF s (min-max) "
+             "| new tokens (ours / HF) | identical greedy rows |",
+             "|---|---|---|---|---|---|---|---|"]
+    for e in table:
+        lines.append(
+            f"| {e['batch']} | {e['ours_tokens_per_s']:.1f} | {e['hf_tokens_per_s']:.1f} | {e['ratio']:.2f} "
+            f"| {e['ours_seconds']:.2f}-{e['ours_seconds_max']:.2f} | {e['hf_seconds']:.2f}-{e['hf_seconds_max']:.2f} "
+            f"| {e['ours_new_tokens']} / {e['hf_new_tokens']} | {e['identical_rows']} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- the command
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
+    return value
+
+
+def batch_size_list(text: str) -> list[int]:
+    try:
+        values = [int(b) for b in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be comma-separated integers, each >= 1, e.g. 1,4,16,64")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="decodelab bench", description="Benchmarks of the decode engine.")
+    parser.add_argument("what", choices=["decode"], help="decode: tokens/s of our engine vs transformers generate()")
+    parser.add_argument("--model", default="smollm2-135m", help="embedded name, local path or hub id")
+    parser.add_argument("--batch-sizes", type=batch_size_list, default=BATCH_SIZES,
+                        help=f"comma-separated, each >= 1 (default {','.join(map(str, BATCH_SIZES))})")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=MAX_NEW_TOKENS,
+                        help=f"tokens per row, >= 1 (default {MAX_NEW_TOKENS})")
+    parser.add_argument("--repeats", type=positive_int, default=REPEATS,
+                        help=f"timed calls per side and batch size, interleaved, >= 1; the fastest is kept "
+                             f"(default {REPEATS})")
+    parser.add_argument("--out", default=None, help="output folder (default results/bench/decode-<stamp>-<rand>)")
+    args = parser.parse_args(argv)
+
+    from decodelab.core.models import load_model
+    from decodelab.suite import provenance, runs
+
+    try:  # the folder first: a bad results location fails before the model loads
+        out = Path(args.out) if args.out else runs.new_run_dir("bench", prefix="decode-")
+        out.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as error:
+        where = f"argument --out: {args.out!r}" if args.out else "the results folder ($DECODELAB_RESULTS or results/)"
+        parser.error(f"{where} cannot hold the benchmark's folder ({error}); give a writable folder")
+    try:
+        model = load_model(args.model)
+    except ValueError as error:
+        if not args.out:
+            out.rmdir()  # the fresh run folder is still empty: leave no trace of a run that never started
+        parser.error(f"argument --model: {error}")
+    load = provenance.LoadSampler().start()  # the machine's load while the sides are timed
+    rows = decode_throughput(model, args.batch_sizes, args.max_new_tokens, repeats=args.repeats)
+    table = ratio_table(rows)
+    import pandas as pd
+
+    pd.DataFrame(rows).to_csv(out / "decode.csv", index=False)
+    (out / "decode.md").write_text(markdown_table(table) + "\n")
+    env = provenance.collect_env(params={**vars(args), "model_device": str(model.device),
+                                         "model_dtype": str(model.transformer.dtype)},
+                                 load=load.stop())
+    (out / "env.json").write_text(json.dumps(env, indent=2, default=str))
+    print(markdown_table(table))
+    if env["load"]["loaded"]:
+        print(f"\nloaded: 1-min load peaked at {env['load']['peak_1min']:.1f} on {env['load']['cores']} cores; "
+              "timings not comparable")
+    print(f"\nwritten to {out}")
+    return 0

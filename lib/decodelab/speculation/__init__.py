@@ -1,0 +1,1 @@
+"""Notebook 01: drafters, verification, the adaptive policy, the roofline, the bench."""

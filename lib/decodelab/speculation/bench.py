@@ -1,0 +1,268 @@
+"""Experiments around `decodelab.speculation.decode`: workloads, step-time calibration, the method grid,
+transformers side by side, and notebook 01's goal rows and generated sentences. Notebook 01 calls
+these; the decoding itself lives in `speculative`.
+
+Timing on a shared machine is noisy (other processes steal whole time slices), and noise only ever
+adds time. So every measurement here repeats and keeps the *minimum*, and runs being compared are
+interleaved (plain, A, B, plain, A, B, ...) so a burst of background load hits every method alike.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from decodelab.core.engine import as_transformer, synchronize, verify_step
+from decodelab.speculation.decode import SpecStats, generate, prefill
+
+
+@torch.inference_mode()
+def measure_step_times(model, batch_sizes, n_tokens=(1, 2, 3, 5, 9), *, context: int = 256, repeats: int = 5,
+                       max_tokens: int = 0, layers=None, progress: bool = False) -> list[dict]:
+    """Time forward steps of n tokens per row at each batch size with `context` cached positions.
+    max_tokens > 0 skips points with batch * n > max(max_tokens, 2 * batch) (n = 1, 2 always run).
+
+    Repeats are interleaved over the n of one batch (n=1, 2, 3, ..., n=1, 2, 3, ...) and each point keeps
+    the minimum: background load only adds time, so the minimum is the machine's own step time, and
+    interleaving keeps a burst of load from landing on one n only. The cache is filled by cropping (its
+    contents are zeros, which costs the same as real keys), so no prefill is paid.
+    -> rows {batch, n_tokens, context, seconds (min of repeats), seconds_median}.
+    """
+    import statistics
+
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an int >= 1")
+    tr = as_transformer(model)
+    n_layers = None if layers is None else len(layers)
+    batches = list(batch_sizes)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc="calibrate", leave=False)
+    rows = []
+    for b in batches:
+        ns = [n for n in n_tokens if not max_tokens or b * n <= max(max_tokens, 2 * b)]
+        cache = tr.new_cache(b, context + max(n_tokens) + 1, n_layers=n_layers)
+        base = torch.full((b,), context, dtype=torch.long, device=tr.device)
+        tokens = {}
+        for n in ns:
+            gen = torch.Generator(device=tr.device).manual_seed(b * 100 + n)
+            tokens[n] = torch.randint(3, tr.vocab_size, (b, n), device=tr.device, generator=gen)
+        times = {n: [] for n in ns}
+        for rep in range(repeats + 1):  # round 0 warms up
+            for n in ns:
+                cache.crop(base)
+                synchronize(tr.device)
+                start = time.perf_counter()
+                verify_step(tr, cache, tokens[n], layers=layers)
+                synchronize(tr.device)
+                if rep:
+                    times[n].append(time.perf_counter() - start)
+        rows += [{"batch": b, "n_tokens": n, "context": context, "seconds": min(times[n]),
+                  "seconds_median": statistics.median(times[n])} for n in ns]
+    return rows
+
+
+def _row(stats: SpecStats, **labels) -> dict:
+    d = stats.as_dict()
+    steps_with_drafts = [k for k in stats.step_k if k > 0]
+    d["draft_s_per_token"] = d["draft_s"] / sum(steps_with_drafts) if steps_with_drafts else 0.0
+    d["acceptance"] = stats.acceptance_per_position
+    d["context"] = stats.prompt_tokens / stats.batch_size + stats.new_tokens / stats.batch_size / 2
+    return {**labels, **d}
+
+
+def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_new_tokens: int, sampler=None,
+                seed: int = 0, eos_token_ids=None, repeats: int = 1) -> list[dict]:
+    """Run plain decoding and each method on one shared prefill of `prompts`, `repeats` interleaved rounds.
+
+    methods: (drafter_name, make_drafter() -> Drafter, k: int or make_policy(batch) -> AdaptivePolicy).
+    Each round runs plain, method 1, method 2, ... in turn (the order rotated by one per round); each
+    method keeps its fastest round (least decode time: background load only slows a run down).
+    -> one row per method (+ "plain" first) with
+    SpecStats fields of that round, `speedup` = decode tokens/s over plain's fastest round, `repeats`,
+    and `tokens` (new tokens per row, to check greedy equality; identical across rounds when greedy).
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an int >= 1")
+    pre = prefill(model, prompts, max_new_tokens=max_new_tokens)
+    B = len(prompts)
+
+    def one(drafter, k):
+        gen = torch.Generator(device=as_transformer(model).device).manual_seed(seed)
+        return generate(model, drafter=drafter, k=k, max_new_tokens=max_new_tokens, sampler=sampler,
+                        generator=gen, eos_token_ids=eos_token_ids, prefilled=pre)
+
+    runs = [("plain", lambda: None, 0)] + list(methods)
+    best: list = [None] * len(runs)
+    for rnd in range(repeats):
+        # rotate the order each round so no method always runs first after the prefill (or after another)
+        for i in [(rnd + j) % len(runs) for j in range(len(runs))]:
+            _, make, k = runs[i]
+            res = one(make(), k(B) if callable(k) else k)
+            if best[i] is None or res.stats.decode_s < best[i].stats.decode_s:
+                best[i] = res
+    plain_tps = best[0].stats.decode_tokens_per_s
+    return [_row(res.stats, batch=B, drafter=name, k="adaptive" if callable(k) else k, repeats=repeats,
+                 speedup=res.stats.decode_tokens_per_s / plain_tps, tokens=res.tokens)
+            for (name, _, k), res in zip(runs, best)]
+
+
+def greedy_match(model, prompts: list[list[int]], drafters: dict, *, ks=(1, 4), max_new_tokens: int = 16) -> dict:
+    """{drafter: bool}: greedy speculative output == plain greedy (engine.generate), token for token."""
+    from decodelab.core.engine import generate as plain_generate
+
+    ref = plain_generate(model, prompts, max_new_tokens=max_new_tokens).tokens
+    return {name: all(generate(model, prompts, make(), k=k, max_new_tokens=max_new_tokens).tokens == ref for k in ks)
+            for name, make in drafters.items()}
+
+
+HF_NGRAM_SIZE = 2  # transformers' prompt lookup default (`max_matching_ngram_size`): ours matches it here
+
+
+def hf_side_by_side(model, prompts: list[list[int]], *, k: int, max_new_tokens: int, draft=None,
+                    repeats: int = 1, ngram_size: int = HF_NGRAM_SIZE) -> list[dict]:
+    """Batch 1, greedy: transformers plain / prompt lookup / assisted generation next to ours.
+
+    Both sides draft up to k tokens and match n-grams of at most `ngram_size` tokens (transformers'
+    `max_matching_ngram_size`) and copy after the n-gram's earliest occurrence. Each side does its own
+    prefill inside the timed region. The runs of one
+    prompt are interleaved over `repeats` rounds (hf plain, hf ngram, ..., ours plain, ours ngram, ...)
+    and each keeps its fastest round.
+    -> rows {impl, method, prompt, tokens_per_s (prefill included), seconds, new_tokens, same_as_plain}.
+    draft: a LoadedModel for `assistant_model=` and our ModelDrafter (None: skip that pair).
+    """
+    from decodelab.speculation.drafters import ModelDrafter, NGramDrafter
+
+    hf, device = model.hf_model, model.device
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], device=device)
+        hf_runs = {"plain": {}, "ngram": {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": ngram_size}}
+        if draft is not None:
+            # constant k and no confidence cut-off: the same algorithm as ours (transformers' defaults adapt k)
+            hf_runs["draft_model"] = {"assistant_model": draft.hf_model, "num_assistant_tokens": k,
+                                      "num_assistant_tokens_schedule": "constant",
+                                      "assistant_confidence_threshold": 0.0}
+        ours = {"plain": (lambda: None, 0), "ngram": (lambda: NGramDrafter(max_ngram=ngram_size, match="earliest"), k)}
+        if draft is not None:
+            ours["draft_model"] = (lambda: ModelDrafter(draft, model), k)
+
+        def run_hf(extra):
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=model.eos_token_ids,
+                                  pad_token_id=model.tokenizer.pad_token_id, **extra)
+            return out[0, len(prompt):].tolist()
+
+        def run_ours(make, kk):
+            return generate(model, [prompt], make(), k=kk, max_new_tokens=max_new_tokens).tokens[0]
+
+        calls = [("hf", m, lambda e=e: run_hf(e)) for m, e in hf_runs.items()]
+        calls += [("ours", m, lambda mk=mk, kk=kk: run_ours(mk, kk)) for m, (mk, kk) in ours.items()]
+        best: dict = {}
+        for _ in range(repeats):
+            for impl, method, call in calls:
+                synchronize(device)
+                start = time.perf_counter()
+                new = call()
+                synchronize(device)
+                seconds = time.perf_counter() - start
+                if (impl, method) not in best or seconds < best[impl, method][0]:
+                    best[impl, method] = (seconds, new)
+        ref = best["hf", "plain"][1]
+        for (impl, method), (seconds, new) in best.items():
+            rows.append({"impl": impl, "method": method, "prompt": i, "tokens_per_s": len(new) / seconds,
+                         "seconds": seconds, "new_tokens": len(new), "same_as_plain": new == ref})
+    return rows
+
+
+# The notebook's stated goals: name -> (op, target). Targets are defined once, here.
+GOAL_TARGETS = {
+    "ngram_speedup_b1_code": (">=", 1.7),
+    "ngram_ours_over_hf_prompt_lookup": (">=", 1.0),
+    "adaptive_vs_plain_at_largest_batch": (">=", 0.97),
+    "adaptive_fraction_of_best_fixed_k_b1": (">=", 0.8),
+    "roofline_heldout_error": ("<=", 0.15),
+}
+
+
+def best_speedup(rows: list[dict], drafter: str, batch: int, k=None) -> float | None:
+    """The best fixed-k speedup of `drafter` at `batch` (k=None), or that of the cell with k (e.g.
+    "adaptive"); None when the sweep has no such cell."""
+    cells = [r["speedup"] for r in rows if r["drafter"] == drafter and r["batch"] == batch
+             and (r["k"] != "adaptive" if k is None else r["k"] == k)]
+    return float(max(cells)) if cells else None
+
+
+def hf_ratio(hf_rows: list[dict], num=("ours", "ngram"), den=("hf", "ngram")) -> float | None:
+    """Mean tokens/s of (impl, method) `num` over that of `den` in `hf_side_by_side` rows (None: none)."""
+    def mean(impl, method):
+        v = [r["tokens_per_s"] for r in hf_rows if r["impl"] == impl and r["method"] == method]
+        return sum(v) / len(v) if v else None
+
+    a, b = mean(*num), mean(*den)
+    return a / b if a is not None and b else None
+
+
+def speculation_goals(rows: list[dict], *, drafters, grid_category: str, hf_rows: list[dict] = (),
+                      heldout_error: float | None = None, insample_error: float | None = None,
+                      n_heldout: int = 0) -> list:
+    """Notebook 01's goals as `decodelab.common.goals.Goal` rows from the sweep rows (run_methods' rows), the
+    transformers side by side and the roofline's held-out error. A goal the run could not measure
+    (no batch 1, not code editing, transformers off, adaptive off, no held-out cell) has value None."""
+    from decodelab.common.goals import Goal
+
+    def goal(name, value, **kw):
+        op, target = GOAL_TARGETS[name.split(":")[0]]
+        return Goal.check(name.replace(":", "_"), value, op, target, **kw)
+
+    batches = sorted({r["batch"] for r in rows})
+    on_code = grid_category == "code_edit" and 1 in batches
+    out = [goal("ngram_speedup_b1_code", best_speedup(rows, "ngram", 1) if on_code else None, unit="x",
+                label="n-gram speedup at batch 1 on code editing (best fixed k)",
+                note="" if on_code
+                else f"needs grid_category 'code_edit' and batch 1 (got {grid_category!r}, {batches})"),
+           goal("ngram_ours_over_hf_prompt_lookup", hf_ratio(list(hf_rows)), unit="x",
+                label="our n-gram vs transformers' prompt lookup at batch 1 (tokens/s ratio)",
+                note="" if hf_rows else "the transformers side by side did not run (hf_compare off)")]
+    for d in drafters:
+        swept = sorted({r["batch"] for r in rows if r["drafter"] == d and r["k"] == "adaptive"})
+        top, low = (swept[-1], swept[0]) if swept else (None, None)
+        why = "" if swept else "the adaptive policy did not run (adaptive off)"
+        note = why or ("" if top == max(batches)
+                       else f"largest batch this drafter was swept at (sweep: {max(batches)})")
+        out.append(goal(f"adaptive_vs_plain_at_largest_batch:{d}",
+                        best_speedup(rows, d, top, "adaptive") if swept else None, unit="x",
+                        label=f"adaptive policy ({d}) vs plain decoding at batch {top}", note=note))
+        best, adaptive = (best_speedup(rows, d, low), best_speedup(rows, d, low, "adaptive")) if swept else (None, None)
+        out.append(goal(f"adaptive_fraction_of_best_fixed_k_b1:{d}",
+                        adaptive / best if low == 1 and best and adaptive is not None else None, unit="%",
+                        label=f"adaptive policy ({d}) as a fraction of the best fixed k at batch 1",
+                        note=why or ("" if low == 1 else f"the sweep has no batch 1 (smallest: {low})")))
+    insample = "n/a" if insample_error is None else f"{insample_error:.0%}"
+    out.append(goal("roofline_heldout_error", heldout_error, unit="%",
+                    label="roofline median relative error on held-out cells",
+                    note=f"{n_heldout} held-out cells; in-sample error {insample} (a metric, not a goal)"
+                    + ("" if heldout_error is not None else "; no held-out cell could be predicted")))
+    return out
+
+
+def trend_sentences(best_rows: list[dict]) -> list[str]:
+    """One generated sentence per drafter on how its best fixed-k speedup moves with batch, from rows
+    {drafter, batch, speedup} (one per drafter and batch)."""
+    out = []
+    for d in dict.fromkeys(r["drafter"] for r in best_rows):
+        pts = sorted((r["batch"], float(r["speedup"])) for r in best_rows if r["drafter"] == d)
+        s = [v for _, v in pts]
+        above = [b for b, v in pts if v > 1.0]
+        where = f"above plain (> 1x) at batch {', '.join(map(str, above))}" if above else "never above plain"
+        if len(pts) < 2:
+            out.append(f"{d}: measured at batch {pts[0][0]} only ({s[0]:.2f}x, {where}); no trend with batch.")
+            continue
+        trend = ("falls at every larger batch" if all(b < a for a, b in zip(s, s[1:]))
+                 else "rises at every larger batch" if all(b > a for a, b in zip(s, s[1:]))
+                 else "does not move monotonically with batch")
+        out.append(f"{d}: best fixed-k speedup {s[0]:.2f}x at batch {pts[0][0]}, {s[-1]:.2f}x at batch {pts[-1][0]}; "
+                   f"it {trend}; {where}.")
+    return out

@@ -1,0 +1,400 @@
+"""Drafters: cheap guesses of the next k tokens that the target model then verifies in one step.
+
+Every drafter implements the `Drafter` protocol below, so the speculative loop
+(`decodelab.speculation.decode`) knows nothing about where drafts come from. Shipped here:
+
+- `NGramDrafter`     prompt lookup: copy what followed the latest earlier occurrence of the
+                     current n-gram suffix (no model; Saxena 2023, HF `prompt_lookup_num_tokens`).
+- `LayerSkipDrafter` self-speculation: a subset of the target's own layers + its final norm and
+                     head, with its own KV cache (Draft & Verify, Zhang et al. 2023; no training).
+- `ModelDrafter`     any causal LM sharing the target's tokenizer (Leviathan et al. 2023).
+
+The MTP-heads drafter lives in `decodelab.mtp.model` and implements the same protocol.
+
+Protocol, step by step (the loop in `speculative.generate` drives it):
+
+    drafter.begin(prompts, max_len=...)      # once, after the target's prefill
+    loop:
+        proposal = drafter.propose(ctx, k)    # k >= 1 drafts per row
+        ... target verifies, row b accepts n_accepted[b] of its drafts ...
+        drafter.rollback(n_accepted)          # forget the rejected drafts
+
+`ctx.tokens[b]` is row b's whole sequence so far: prompt + every token accepted so far, ending with
+the *pending* token (the target's latest choice, which has not been fed to the target yet). The
+drafts continue after it: `proposal.tokens[b, 0]` is the guess for the token after
+`ctx.tokens[b][-1]`. `ctx.tokens` only ever grows (accepted tokens are never taken back), so a
+drafter may keep incremental state keyed on how much of each row it has already seen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from decodelab.core.sampling import draw_uniforms
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may read at one speculative step.
+
+    tokens       list of B lists of ints: each row's prompt + accepted tokens, ending with the pending
+                 token (chosen by the target, not yet in the target's KV cache).
+    last_hidden  (B, D) or None: the target's final-normed hidden state (the input of its LM head) at
+                 each row's last position in the target's cache, i.e. at index len(tokens[b]) - 2:
+                 the state whose LM-head output produced the pending token tokens[b][-1]. MTP heads
+                 read it to predict tokens[b][-1]'s successors. None when the loop does not compute it
+                 (only drafters with `needs_hidden = True` get it).
+    active       (B,) bool: rows still generating. Drafts for finished rows are ignored, so a drafter
+                 may skip work for them (it must still return B rows).
+    sampler      None for greedy drafting, else a `decodelab.core.sampling.Sampler` whose `.probs` gives
+                 the drafter's processed distribution q (the same processing as the target's p).
+    generator    torch.Generator for the drafter's own sampling (None when greedy), or a list of one
+                 per row (draw row b's numbers from generator[b] only, as `sampling.draw_uniforms` does).
+    new_hidden   (B, T, D) or None (only for `needs_hidden` drafters): the target's final-normed hidden
+                 states of every position it cached since the previous `propose` (at the first
+                 propose: the whole prompt), left-aligned per row; row b's valid ones are
+                 [:new_hidden_lengths[b]] and belong to positions len(tokens[b]) - 1 - new_hidden_lengths[b]
+                 .. len(tokens[b]) - 2 (the pending token is not cached yet). MTP heads feed them to
+                 keep their own context complete.
+    new_hidden_lengths  (B,) long or None, see new_hidden.
+    """
+
+    tokens: list[list[int]]
+    last_hidden: torch.Tensor | None = None
+    active: torch.Tensor | None = None
+    sampler: object | None = None
+    generator: torch.Generator | list[torch.Generator] | None = None
+    new_hidden: torch.Tensor | None = None
+    new_hidden_lengths: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class DraftProposal:
+    """k drafted tokens per row.
+
+    tokens   (B, k) long: tokens[b, i] is the guess for position len(ctx.tokens[b]) + i.
+    probs    (B, k, V) float or None. The draft distribution q each token was sampled from (rows sum
+             to 1). None means the drafts are deterministic: q is one-hot at `tokens`, which is what
+             greedy drafting and the n-gram drafter produce; exact rejection sampling still holds
+             (accept with probability p(token), else resample from norm(max(p - onehot, 0))).
+    lengths  (B,) long or None: row b has only lengths[b] <= k real drafts; positions past it are
+             padding that verification always rejects (e.g. an n-gram with no earlier match).
+             None means every row has k real drafts.
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return self.tokens.shape[1]
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """The interface every drafter implements (structural: no need to inherit).
+
+    name          short label used in tables and plots ("ngram", "layer_skip", "draft_model", "mtp").
+    needs_hidden  True when `propose` reads `ctx.last_hidden` (the loop then asks the target for it).
+    """
+
+    name: str
+    needs_hidden: bool
+
+    def begin(self, prompts: list[list[int]], *, max_len: int) -> None:
+        """Reset for a new batch. `prompts` are the B prompts (token ids, ragged); `max_len` bounds
+        len(ctx.tokens[b]) + k for every row and step (size any KV cache with it)."""
+        ...
+
+    def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+        """Draft k >= 1 tokens per row continuing ctx.tokens[b]; (B, k) tokens (+ q when sampled)."""
+        ...
+
+    def rollback(self, n_accepted: torch.Tensor) -> None:
+        """n_accepted (B,) long in [0, k]: how many of the last proposal's drafts row b kept. A drafter
+        with a KV cache crops the rejected ones here; the next `ctx.tokens` also carries the target's
+        correction / bonus token, which the drafter has not seen yet."""
+        ...
+
+
+class DrafterBase:
+    """Convenience base: no-op begin/rollback, k validation. Subclasses implement `_propose`."""
+
+    name = "base"
+    needs_hidden = False
+
+    def begin(self, prompts: list[list[int]], *, max_len: int) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k={k!r} must be an int >= 1 (k=0 means a plain decode step: don't call propose)")
+        return self._propose(ctx, k)
+
+    def _propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+        raise NotImplementedError
+
+    def rollback(self, n_accepted: torch.Tensor) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class NGramDrafter(DrafterBase):
+    """Prompt lookup: find the latest earlier occurrence of each row's last n tokens (n from
+    `max_ngram` down to `min_ngram`) and propose the k tokens that followed it. No model, batched.
+
+    Each row keeps a dict (n-gram -> end index of its latest occurrence with a continuation), updated
+    incrementally as ctx.tokens grows, so a step costs O(new tokens) per row, not O(sequence).
+    When the continuation runs into the current end of the sequence it wraps around periodically
+    (a repeated pattern keeps repeating). A row with no match proposes nothing (`lengths[b] = 0`).
+    match="earliest" copies after the n-gram's first occurrence instead (transformers' prompt lookup
+    does, and in code editing the first occurrence is often the passage being copied).
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, match: str = "latest"):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"min_ngram={min_ngram!r}, max_ngram={max_ngram!r}: need 1 <= min_ngram <= max_ngram")
+        if match not in ("latest", "earliest"):
+            raise ValueError(f"match={match!r} must be 'latest' or 'earliest'")
+        self.max_ngram, self.min_ngram, self.match = max_ngram, min_ngram, match
+        self._index: list[dict] = []
+        self._seen: list[int] = []
+
+    def begin(self, prompts: list[list[int]], *, max_len: int = 0) -> None:
+        self._index = [{} for _ in prompts]
+        self._seen = [0 for _ in prompts]
+
+    def _update(self, b: int, seq: list[int]) -> None:
+        index, end = self._index[b], len(seq)
+        # Register every n-gram seq[e-n:e] whose continuation seq[e] exists (e <= end - 1);
+        # "latest": later occurrences overwrite earlier ones; "earliest": the first one stays.
+        keep_first = self.match == "earliest"
+        for e in range(max(self._seen[b], 1), end):
+            for n in range(self.min_ngram, min(self.max_ngram, e) + 1):
+                key = tuple(seq[e - n:e])
+                if not (keep_first and key in index):
+                    index[key] = e
+        self._seen[b] = max(self._seen[b], end)
+
+    def lookup(self, b: int, seq: list[int], k: int) -> list[int]:
+        """Up to k tokens continuing row b's sequence `seq`, or [] when no n-gram suffix recurs."""
+        if len(self._index) <= b:
+            self._index.extend({} for _ in range(b + 1 - len(self._index)))
+            self._seen.extend(0 for _ in range(b + 1 - len(self._seen)))
+        self._update(b, seq)
+        end = len(seq)
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
+            e = self._index[b].get(tuple(seq[end - n:]))
+            if e is None:
+                continue
+            out: list[int] = []
+            for i in range(k):
+                j = e + i
+                out.append(seq[j] if j < end else out[j - end])
+            return out
+        return []
+
+    def _propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+        B = ctx.batch_size
+        tokens = torch.zeros(B, k, dtype=torch.long)
+        lengths = torch.zeros(B, dtype=torch.long)
+        for b, seq in enumerate(ctx.tokens):
+            if ctx.active is not None and not bool(ctx.active[b]):
+                continue
+            found = self.lookup(b, seq, k)
+            if found:
+                tokens[b, : len(found)] = torch.tensor(found)
+                lengths[b] = len(found)
+            tokens[b, len(found):] = seq[-1]  # padding, always rejected
+        return DraftProposal(tokens=tokens, probs=None, lengths=lengths)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities, (B,) uniforms -> (B,) long sampled tokens."""
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+class CachedModelDrafter(DrafterBase):
+    """Autoregressive drafting with a causal LM (or a layer subset of one) and its own KV cache.
+
+    The draft cache holds every token of ctx.tokens except, between steps, the not-yet-seen ones:
+    `propose` first feeds each row's unseen suffix (ragged: the pending token, plus the last draft when
+    all k were accepted), then drafts k tokens one at a time; `rollback` crops the drafts that the
+    target rejected. Cost per step: one catch-up forward + (k - 1) single-token forwards.
+    """
+
+    CATCHUP = 16  # longest unseen suffix fed in one forward (after plain steps of the adaptive policy)
+
+    def __init__(self, transformer, *, layers=None, target_vocab_size: int | None = None, name: str = "draft_model"):
+        self.tr = transformer
+        self.layers = list(layers) if layers is not None else None
+        self.vocab_size = target_vocab_size or transformer.vocab_size
+        self.name = name
+        self.cache = None
+        self._base: torch.Tensor | None = None
+
+    def begin(self, prompts: list[list[int]], *, max_len: int) -> None:
+        from decodelab.core.engine import pad_prompts
+
+        n_layers = len(self.layers) if self.layers is not None else None
+        self.cache = self.tr.new_cache(len(prompts), max_len + self.CATCHUP, n_layers=n_layers)
+        tokens, lengths = pad_prompts(prompts, self.tr.device)
+        self.tr.forward(tokens, self.cache, n_new=lengths, layers=self.layers, logits_at="none")
+
+    def _logits(self, tokens: torch.Tensor, n_new: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed tokens (B, T) -> logits at each row's last valid token, cut/padded to the target's vocab."""
+        logits = self.tr.forward(tokens, self.cache, n_new=n_new, layers=self.layers, logits_at="last").float()
+        V = self.vocab_size
+        if logits.shape[-1] > V:  # a draft with a larger (padded) embedding: never propose ids the target lacks
+            logits = logits[:, :V]
+        elif logits.shape[-1] < V:
+            logits = torch.nn.functional.pad(logits, (0, V - logits.shape[-1]), value=float("-inf"))
+        return logits
+
+    def _pick(self, logits: torch.Tensor, ctx: DraftContext):
+        if ctx.sampler is None:
+            return logits.argmax(-1), None
+        q = ctx.sampler.probs(logits)
+        # one uniform per row: from the one generator, or from row b's own (a list, engine.generate's contract)
+        gen = ctx.generator
+        u = torch.rand(q.shape[0], device=q.device) if gen is None else draw_uniforms(gen, q.shape[0], q.device)
+        return _inverse_cdf(q, u), q
+
+    def _propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+        device = self.tr.device
+        lengths = self.cache.lengths.tolist()
+        unseen = [seq[n:] for seq, n in zip(ctx.tokens, lengths)]
+        logits = None
+        while True:  # catch up on tokens the draft has not seen, at most CATCHUP per forward
+            chunk = [u[: self.CATCHUP] for u in unseen]
+            n_new = torch.tensor([len(c) for c in chunk], dtype=torch.long, device=device)
+            T = max(int(n_new.max()), 1)
+            tokens = torch.zeros(len(chunk), T, dtype=torch.long)
+            for b, c in enumerate(chunk):
+                if c:
+                    tokens[b, : len(c)] = torch.tensor(c)
+            step_logits = self._logits(tokens.to(device), n_new)
+            # rows that fed nothing keep the logits of an earlier chunk (only finished rows feed nothing)
+            logits = step_logits if logits is None else torch.where((n_new > 0)[:, None], step_logits, logits)
+            unseen = [u[self.CATCHUP:] for u in unseen]
+            if not any(unseen):
+                break
+        self._base = self.cache.lengths.clone()
+        drafts, probs = [], []
+        for i in range(k):
+            token, q = self._pick(logits, ctx)
+            drafts.append(token)
+            probs.append(q)
+            if i < k - 1:
+                logits = self._logits(token[:, None])
+        return DraftProposal(tokens=torch.stack(drafts, 1),
+                             probs=None if ctx.sampler is None else torch.stack(probs, 1))
+
+    def rollback(self, n_accepted: torch.Tensor) -> None:
+        # the cache holds base + (k - 1) drafts; keep the accepted ones (the k-th was never fed)
+        fed = self.cache.lengths - self._base
+        self.cache.crop(self._base + torch.minimum(n_accepted.to(fed), fed))
+
+
+class LayerSkipDrafter(CachedModelDrafter):
+    """Self-speculation without training: the target's own `layers` (a subset, in order) + its final
+    norm and LM head, with a KV cache of len(layers) slots (Draft & Verify, Zhang et al. 2023)."""
+
+    def __init__(self, model, layers):
+        tr = getattr(model, "transformer", model)
+        layers = list(layers)
+        if not layers or any(not 0 <= i < tr.n_layers for i in layers) or layers != sorted(set(layers)):
+            raise ValueError(f"layers={layers!r} must be a non-empty increasing list of indices in [0, {tr.n_layers})")
+        super().__init__(tr, layers=layers, name="layer_skip")
+
+
+def check_same_tokenizer(target, draft) -> None:
+    """Raise ValueError unless `draft` (LoadedModel) tokenizes exactly like `target`: speculative
+    decoding compares token ids, so a draft with another vocabulary would propose nonsense."""
+    t_tok, d_tok = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
+    t_name, d_name = getattr(target, "name", "target"), getattr(draft, "name", "draft")
+    if t_tok is not None and d_tok is not None:
+        t_vocab, d_vocab = t_tok.get_vocab(), d_tok.get_vocab()
+        if t_vocab != d_vocab:
+            differ = len(set(t_vocab.items()) ^ set(d_vocab.items()))
+            raise ValueError(
+                f"draft={d_name!r} has a different tokenizer from target={t_name!r} "
+                f"({len(d_vocab)} vs {len(t_vocab)} tokens, {differ} (token, id) pairs differ); "
+                "a draft model must share the target's tokenizer"
+            )
+        return
+    if (t_tok is None) != (d_tok is None):
+        raise ValueError(f"draft={d_name!r} and target={t_name!r}: one has a tokenizer and the other not; "
+                         "a draft model must share the target's tokenizer")
+    t_v, d_v = target.transformer.vocab_size, draft.transformer.vocab_size
+    if t_v != d_v:
+        raise ValueError(f"draft={d_name!r} vocab_size={d_v} differs from target={t_name!r} vocab_size={t_v}; "
+                         "a draft model must share the target's tokenizer")
+
+
+class ModelDrafter(CachedModelDrafter):
+    """Any causal LM sharing the target's tokenizer drafts autoregressively (Leviathan et al. 2023)."""
+
+    def __init__(self, draft, target):
+        check_same_tokenizer(target, draft)
+        super().__init__(draft.transformer, target_vocab_size=target.transformer.vocab_size, name="draft_model")
+        self.model = draft
+
+
+def truncated_model(model, n_layers: int):
+    """A LoadedModel made of `model`'s first n_layers decoder layers + its final norm and head, sharing
+    the weight tensors (no copy). A stand-in draft model of the same family when no smaller sibling is
+    at hand (the embedded target); transformers' `generate(assistant_model=...)` accepts its hf_model."""
+    import copy
+
+    from decodelab.core.models import LoadedModel
+    from decodelab.core.transformer import Transformer
+
+    hf = model.hf_model
+    total = hf.config.num_hidden_layers
+    if not 1 <= n_layers <= total:
+        raise ValueError(f"n_layers={n_layers!r} must be in [1, {total}]")
+    config = copy.deepcopy(hf.config)
+    config.num_hidden_layers = n_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:n_layers]
+    with torch.device("meta"):
+        small = type(hf)(config)
+    small.model.embed_tokens = hf.model.embed_tokens
+    small.model.layers = torch.nn.ModuleList(hf.model.layers[:n_layers])
+    small.model.norm = hf.model.norm
+    small.model.rotary_emb = hf.model.rotary_emb
+    small.lm_head = hf.lm_head
+    small.generation_config = copy.deepcopy(hf.generation_config)
+    small.eval()
+    return LoadedModel(name=f"{model.name}-first{n_layers}", hf_model=small, tokenizer=model.tokenizer,
+                       transformer=Transformer.from_hf(small))
+
+
+def make_drafter(name: str, target, **options):
+    """Build a drafter by name: "ngram" (max_ngram, min_ngram), "layer_skip" (layers), "draft_model"
+    (draft: a LoadedModel sharing the tokenizer, or draft_layers: int for a truncated copy of the target)."""
+    if name == "ngram":
+        return NGramDrafter(**{k: v for k, v in options.items() if k in ("max_ngram", "min_ngram", "match")})
+    if name == "layer_skip":
+        return LayerSkipDrafter(target, options["layers"])
+    if name == "draft_model":
+        draft = options.get("draft")
+        if draft is None:
+            draft = truncated_model(target, options["draft_layers"])
+        return ModelDrafter(draft, target)
+    raise ValueError(f"drafter={name!r} is unknown; allowed: 'ngram', 'layer_skip', 'draft_model' "
+                     "(MTP heads: decodelab.mtp.model)")

@@ -1,0 +1,1 @@
+"""The one place that knows data/: prompts and chat templates, tasks, corpora, schemas."""

@@ -1,0 +1,69 @@
+"""Notebook 03's invariants on its smoke run: what must hold at any size (equalities, exactness), not speed."""
+import pytest
+
+from decodelab.common.goals import OPS
+
+pytestmark = pytest.mark.slow
+
+NAME = "mtp"  # the notebook whose smoke run the `metrics` fixture reads (tests/conftest.py)
+
+GRAD_TOLERANCE = 1e-5  # max |g_sequential - g_joint|: float32 summation-order noise, nothing more
+STATED_GOALS = {"step_time_ratio", "peak_mem_ratio", "retrofit_head2_acceptance_gloeckle",
+                "retrofit_head2_acceptance_deepseek", "retrofit_speedup_b1_gloeckle", "retrofit_speedup_b1_deepseek",
+                "retrofit_tau_3_positions", "self_spec_greedy_identical"}
+
+
+def test_one_head_loss_equals_next_token_loss_on_smoke(metrics):
+    assert metrics["one_head_loss_abs_diff"] == 0.0
+
+
+def test_sequential_backward_gradients_equal_joint_on_smoke(metrics):
+    diff = metrics["grad_check_max_abs_diff"]
+    assert isinstance(diff, float) and 0.0 <= diff <= GRAD_TOLERANCE
+    assert metrics["grad_check_tolerance"] <= GRAD_TOLERANCE  # the notebook states no looser tolerance
+
+
+def test_retrofit_frozen_weights_bit_identical_on_smoke(metrics):
+    assert metrics["retrofit_frozen_bit_identical"] is True
+
+
+def test_self_speculative_greedy_equals_plain_on_smoke(metrics):
+    rows = metrics["self_spec"]
+    assert rows and all(row["greedy_match"] is True and row["rows_identical"] == row["batch"] for row in rows)
+    decoded = sum(row["batch"] for row in rows)
+    assert metrics["self_spec_rows_identical"] == [decoded, decoded]
+    assert metrics["self_spec_greedy_match"] is True
+
+
+def test_generic_loop_with_mtp_drafter_equals_plain_greedy_on_smoke(metrics):
+    assert metrics["generic_loop"] and metrics["generic_loop_greedy_match"] is True
+
+
+def test_goal_rows_cover_the_stated_goals_and_judge_them_on_smoke(metrics):
+    rows = {row["name"]: row for row in metrics["goals"]}
+    assert STATED_GOALS <= set(rows)
+    for row in rows.values():
+        assert {"value", "target", "op", "met", "status"} <= set(row)
+        expected = None if row["value"] is None else OPS[row["op"]](row["value"], row["target"])
+        assert row["met"] == expected, row["name"]
+    assert rows["step_time_ratio"]["value"] == metrics["step_time_ratio"]
+    assert rows["self_spec_greedy_identical"]["value"] is True
+
+
+def test_retrofit_is_reported_by_its_new_heads_on_smoke(metrics):
+    assert "retrofit_val_loss" not in metrics
+    frozen = metrics["frozen_next_token_val_loss"]
+    assert set(metrics["retrofit"]) == set(frozen["configs"])
+    for entry in metrics["retrofit"].values():
+        assert 0.0 <= entry["head_2_accuracy"] <= 1.0
+        assert entry["head_loss"][0] == frozen["mean"]  # head 1 is the frozen model's own, shared
+        assert all(d["tau"] >= 1.0 and d["greedy_match"] is True for d in entry["draft"])
+    assert metrics["retrofit"]["retrofit-gloeckle-2"]["draft"]
+
+
+def test_self_spec_caption_counts_the_identical_rows_on_smoke(smoke_runs, metrics):
+    import json
+
+    captions = json.loads((smoke_runs("mtp") / "figures" / "captions.json").read_text())
+    same, total = metrics["self_spec_rows_identical"]
+    assert f"{same}/{total} decoded rows identical" in captions["self_spec_tau"]

@@ -1,0 +1,127 @@
+"""The decode benchmark compares like with like: EOS off on both sides, tokens counted as returned, one clock."""
+import json
+
+import pytest
+
+from decodelab.core import models
+from decodelab.core.engine import generate
+from decodelab.core.models import tiny_model
+from decodelab.quickstart import bench
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def early_eos_model():
+    """A tiny model whose generation_config names as EOS a token greedy decoding emits at step 2 of row 0."""
+    model = tiny_model(seed=0)
+    free = generate(model, PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=[]).tokens
+    eos = free[0][1]
+    model.hf_model.generation_config.eos_token_id = eos
+    model.hf_model.generation_config.pad_token_id = 0
+    return model, free, eos
+
+
+def test_early_eos_model_really_emits_its_eos_early(early_eos_model):
+    """Guard for the tests below: without the EOS fix, HF would stop these rows."""
+    model, free, eos = early_eos_model
+    assert eos != 0 and free[0].index(eos) == 1
+    assert eos in model.eos_token_ids
+
+
+def test_hf_baseline_decodes_past_the_generation_configs_eos(early_eos_model):
+    model, free, _ = early_eos_model
+    hf = bench.hf_generate_greedy(model, PROMPTS, MAX_NEW)
+    assert [len(row) for row in hf] == [MAX_NEW] * len(PROMPTS)
+    assert hf == free
+
+
+def test_both_sides_return_max_new_tokens_per_row_and_identical_rows(early_eos_model):
+    model, _, _ = early_eos_model
+    rows = bench.decode_throughput(model, [1, 3], MAX_NEW, repeats=2, prompts=PROMPTS, progress=False)
+    assert {(r["batch"], r["impl"]) for r in rows} == {(1, "ours"), (1, "hf"), (3, "ours"), (3, "hf")}
+    for r in rows:
+        assert r["new_tokens"] == r["batch"] * MAX_NEW
+        assert r["identical_rows"] == r["rows"] == r["batch"]
+        assert r["tokens_per_s"] == r["new_tokens"] / r["seconds"]
+
+
+def test_identical_rows_compares_full_rows():
+    assert bench.identical_rows([[1, 2, 3], [4, 5]], [[1, 2], [4, 5]]) == 1  # a prefix is not identical
+    assert bench.identical_rows([[1, 2]], [[1, 2]]) == 1
+    with pytest.raises(ValueError, match="1 rows with 2 rows"):
+        bench.identical_rows([[1]], [[1], [1]])
+
+
+def fake_sides(monkeypatch, seconds: dict, returned: dict):
+    """Replace both sides and the clock: each call logs its side; side `s` returns returned[s] rows."""
+    calls = []
+
+    def side(name):
+        def fn(model, prompts, max_new_tokens):
+            calls.append((name, max_new_tokens))
+            return returned[name]
+        return fn
+
+    timings = {name: iter(values) for name, values in seconds.items()}
+    monkeypatch.setattr(bench, "IMPLS", {"ours": side("ours"), "hf": side("hf")})
+    monkeypatch.setattr(bench, "wall_clock", lambda fn, model, prompts, n: (
+        fn(model, prompts, n), next(timings[calls[-1][0]])))
+    return calls
+
+
+def test_repeats_interleave_the_sides_after_one_warmup_each(monkeypatch):
+    rows = [[1] * 4, [2] * 4]
+    calls = fake_sides(monkeypatch, {"ours": [1.0] * 3, "hf": [1.0] * 3}, {"ours": rows, "hf": rows})
+    bench.compare_greedy(None, [[0], [0]], 4, repeats=3)
+    warmup = [("ours", bench.WARMUP_TOKENS), ("hf", bench.WARMUP_TOKENS)]
+    assert calls == warmup + [("ours", 4), ("hf", 4)] * 3
+
+
+def test_fastest_call_is_kept_with_the_spread_and_tokens_counted_as_returned(monkeypatch):
+    ours, hf_short = [[1] * 4, [2] * 4], [[1] * 4, [2] * 3]  # HF "stopped" one row a token early
+    fake_sides(monkeypatch, {"ours": [2.0, 1.0, 4.0], "hf": [3.0, 5.0, 6.0]}, {"ours": ours, "hf": hf_short})
+    by_impl = {r["impl"]: r for r in bench.compare_greedy(None, [[0], [0]], 4, repeats=3)}
+    assert (by_impl["ours"]["seconds"], by_impl["ours"]["seconds_max"]) == (1.0, 4.0)
+    assert (by_impl["hf"]["seconds"], by_impl["hf"]["seconds_max"]) == (3.0, 6.0)
+    assert by_impl["ours"]["spread"] == 3.0 and by_impl["hf"]["spread"] == 1.0
+    assert (by_impl["ours"]["new_tokens"], by_impl["hf"]["new_tokens"]) == (8, 7)
+    assert by_impl["hf"]["tokens_per_s"] == 7 / 3.0
+    assert by_impl["ours"]["identical_rows"] == by_impl["hf"]["identical_rows"] == 1
+
+
+@pytest.mark.parametrize("args, flag, value", [
+    (["--repeats", "0"], "--repeats", "'0'"),
+    (["--max-new-tokens", "0"], "--max-new-tokens", "'0'"),
+    (["--max-new-tokens", "ten"], "--max-new-tokens", "'ten'"),
+    (["--batch-sizes", "1,x"], "--batch-sizes", "'1,x'"),
+    (["--batch-sizes", "4,0"], "--batch-sizes", "'4,0'"),
+])
+def test_bad_bench_arguments_name_flag_value_and_allowed_before_loading(monkeypatch, capsys, args, flag, value):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["decode", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and value in err and ">= 1" in err
+    assert "Traceback" not in err
+
+
+def test_bench_command_writes_its_folder_with_tables_and_load_record(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("DECODELAB_RESULTS", str(tmp_path))
+    monkeypatch.setattr(models, "load_model", lambda name: tiny_model(seed=0))
+    monkeypatch.setattr(bench, "chat_prompts", lambda tokenizer: PROMPTS)
+    assert bench.main(["decode", "--batch-sizes", "1,2", "--max-new-tokens", "4", "--repeats", "1"]) == 0
+    (folder,) = (tmp_path / "bench").iterdir()
+    assert folder.name.startswith("decode-")
+    import pandas as pd
+
+    table = pd.read_csv(folder / "decode.csv")
+    assert {"batch", "impl", "tokens_per_s", "seconds", "new_tokens", "identical_rows", "rows"} <= set(table.columns)
+    assert (table.identical_rows == table.rows).all() and (table.new_tokens == table.batch * 4).all()
+    assert "| ours / HF |" in (folder / "decode.md").read_text()
+    env = json.loads((folder / "env.json").read_text())
+    assert {"packages", "cpu", "git", "params", "load"} <= set(env)
+    assert {"cores", "before", "after", "peak_1min", "loaded"} <= set(env["load"])
+    assert env["params"]["batch_sizes"] == [1, 2]
