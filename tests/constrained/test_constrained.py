@@ -6,12 +6,13 @@ import torch
 
 from decodelab.constrained import decode as C
 from decodelab.constrained import masks as M
+from decodelab.constrained import study as S
 from decodelab.constrained.distortion import chat_prompt
 from decodelab.constrained.jump_forward import saved_fraction
 from decodelab.core.models import resolve_model_path, tiny_model
 from decodelab.core.sampling import Sampler, SamplerConfig
 
-SUITE = C.load_schemas()
+SUITE = S.load_schemas()
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_sampled_generate_outputs_all_validate(engines, tok, tiny49k):
 
 @pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
 def test_greedy_with_token_jump_forward_equals_greedy_without(engines, tok, tiny49k, engine_name):
-    items = C.schema_items([e for e in SUITE if e["fixed_keys"]][:3], tok)
+    items = S.schema_items([e for e in SUITE if e["fixed_keys"]][:3], tok)
     for item in items:
         off = C.generate(tiny49k, [item["prompt"]], item["constraint"], engines[engine_name], max_new_tokens=120)
         jf = C.generate(tiny49k, [item["prompt"]], item["constraint"], engines[engine_name], max_new_tokens=120,
@@ -89,7 +90,7 @@ def test_greedy_with_token_jump_forward_equals_greedy_without(engines, tok, tiny
 
 
 def test_batched_jump_forward_rows_equal_single_row_runs(engines, tok, tiny49k):
-    items = C.schema_items(SUITE[:2], tok)
+    items = S.schema_items(SUITE[:2], tok)
     batch = C.generate(tiny49k, [i["prompt"] for i in items], [i["constraint"] for i in items], engines["xgrammar"],
                        max_new_tokens=120, jump_forward="tokens")
     for row, item in enumerate(items):
@@ -100,7 +101,7 @@ def test_batched_jump_forward_rows_equal_single_row_runs(engines, tok, tiny49k):
 def test_retokenize_jump_forward_outputs_validate_and_save_passes(engines, tok, tiny49k):
     from decodelab.constrained.jump_forward import jump_forward_savings
 
-    items = C.schema_items([e for e in SUITE if e["fixed_keys"]][:3], tok)
+    items = S.schema_items([e for e in SUITE if e["fixed_keys"]][:3], tok)
     rows = jump_forward_savings(tiny49k, tok, engines["xgrammar"], items, max_new_tokens=120)
     assert all(r["valid"] for r in rows)
     assert all(r["same_tokens"] for r in rows if r["mode"] == "tokens")
@@ -119,26 +120,26 @@ def test_unsatisfiable_schema_raises_before_generation(engines, tok):
 
 
 def test_engine_that_cannot_compile_reports_unsupported(engines, tok):
-    item = C.schema_items(SUITE[:1], tok)[0]
+    item = S.schema_items(SUITE[:1], tok)[0]
     item["constraint"] = M.Constraint.json({"type": "integer", "minimum": 5, "maximum": 3})
-    out = C.sample_schema(None, tok, item, engines["llguidance"], n_samples=2, sampler=None, seed=0)
+    out = S.sample_schema(None, tok, item, engines["llguidance"], n_samples=2, sampler=None, seed=0)
     assert out["unsupported"] and out["n"] == 0
 
 
 def test_field_two_sample_identical_samples_have_zero_tv():
     schema = SUITE[2]["schema"]
     objs = [{"city": "Oslo", "temperature_c": 3, "condition": "snowy", "windy": True}] * 5
-    rows = C.field_two_sample(schema, objs, objs, permutations=20)
+    rows = S.field_two_sample(schema, objs, objs, permutations=20)
     assert all(r["tv"] == 0 for r in rows)
 
 
 def test_extract_json_finds_object_in_prose():
-    assert C.extract_json('Sure! ```json\n{"a": 1}\n```') == {"a": 1}
-    assert C.extract_json("no json here") is None
+    assert S.extract_json('Sure! ```json\n{"a": 1}\n```') == {"a": 1}
+    assert S.extract_json("no json here") is None
 
 
 def test_rows_with_their_own_generators_do_not_depend_on_the_batch(engines, tok, tiny49k):
-    items = C.schema_items(SUITE[:3], tok)
+    items = S.schema_items(SUITE[:3], tok)
     sampler = Sampler(SamplerConfig(temperature=1.0))
     seeds = [11, 12, 13]
     batch = C.generate(tiny49k, [i["prompt"] for i in items], [i["constraint"] for i in items], engines["llguidance"],
@@ -150,8 +151,8 @@ def test_rows_with_their_own_generators_do_not_depend_on_the_batch(engines, tok,
 
 
 def test_outputs_cut_by_max_new_tokens_count_as_truncated_not_invalid(engines, tok, tiny49k):
-    items = C.schema_items(SUITE[:2], tok)
-    outs = C.sample_schemas(tiny49k, tok, items, engines["xgrammar"], n_samples=3,
+    items = S.schema_items(SUITE[:2], tok)
+    outs = S.sample_schemas(tiny49k, tok, items, engines["xgrammar"], n_samples=3,
                             sampler=Sampler(SamplerConfig(temperature=1.0)), seed=0, max_new_tokens=3)
     assert all(o["n"] == 3 and o["truncated"] == 3 and o["valid"] == 0 for o in outs)
 
@@ -160,18 +161,18 @@ def test_truncated_outputs_leave_the_denominator_for_masked_and_unconstrained_al
     # The same counts under a mask and without one must give the same rate: one rule for both.
     counts = {"n": 10, "valid": 4, "truncated": 2, "unsupported": False}
     rows = [{"engine": e, **counts} for e in ("xgrammar", "unconstrained")]
-    summary = {r["engine"]: r for r in C.validity_summary(rows)}
+    summary = {r["engine"]: r for r in S.validity_summary(rows)}
     assert summary["xgrammar"]["validity_rate"] == summary["unconstrained"]["validity_rate"] == 4 / 8
     assert summary["xgrammar"]["truncated_rate"] == summary["unconstrained"]["truncated_rate"] == 2 / 10
     assert summary["unconstrained"]["finished"] == 8
-    assert C.validity_rates(rows) == {"xgrammar": 0.5, "unconstrained": 0.5}
+    assert S.validity_rates(rows) == {"xgrammar": 0.5, "unconstrained": 0.5}
 
 
 def test_validity_rate_is_not_measured_when_nothing_finished_and_skips_unsupported_schemas():
     rows = [{"engine": "xgrammar", "n": 3, "valid": 0, "truncated": 3, "unsupported": False},
             {"engine": "llguidance", "n": 4, "valid": 2, "truncated": 2, "unsupported": False},
             {"engine": "llguidance", "n": 0, "valid": 0, "truncated": 0, "unsupported": True}]
-    rates = C.validity_rates(rows)
+    rates = S.validity_rates(rows)
     assert rates["llguidance"] == 1.0 and rates["xgrammar"] is None  # nothing finished: not measured
 
 
@@ -190,14 +191,14 @@ def write_json(path, value):
 
 def test_user_schemas_file_is_used_whole_when_no_names_are_given(tmp_path):
     path = write_json(tmp_path / "mine.json", [{"type": "object", "title": "a"}, {"type": "string"}])
-    assert [e["name"] for e in C.load_schemas(path)] == ["a", "schema_1"]
-    assert [e["name"] for e in C.load_schemas(path, ["schema_1"])] == ["schema_1"]
+    assert [e["name"] for e in S.load_schemas(path)] == ["a", "schema_1"]
+    assert [e["name"] for e in S.load_schemas(path, ["schema_1"])] == ["schema_1"]
 
 
 def test_unknown_schema_name_error_names_the_value_and_the_files_schemas(tmp_path):
     path = write_json(tmp_path / "mine.json", [{"name": "x", "schema": {"type": "string"}}])
     with pytest.raises(ValueError) as error:
-        C.load_schemas(path, ["answer_confidence"])
+        S.load_schemas(path, ["answer_confidence"])
     message = str(error.value)
     assert "answer_confidence" in message and "['x']" in message and "mine.json" in message
 
@@ -206,34 +207,34 @@ def test_unknown_schema_name_error_names_the_value_and_the_files_schemas(tmp_pat
 def test_schema_selection_that_is_not_a_list_of_names_is_rejected(tmp_path, names):
     path = write_json(tmp_path / "mine.json", [{"name": "x", "schema": {"type": "string"}}])
     with pytest.raises(ValueError, match="schemas="):
-        C.load_schemas(path, names)
+        S.load_schemas(path, names)
 
 
 def test_missing_or_malformed_schemas_file_fails_with_the_value_named(tmp_path):
     with pytest.raises(ValueError, match="schemas_file='nowhere.json' is not a file"):
-        C.load_schemas("nowhere.json")
+        S.load_schemas("nowhere.json")
     bad = tmp_path / "bad.json"
     bad.write_text("[{", encoding="utf-8")
     with pytest.raises(ValueError, match="is not valid JSON"):
-        C.load_schemas(bad)
+        S.load_schemas(bad)
     malformed = write_json(tmp_path / "malformed.json", [{"name": "m", "schema": {"type": "no-such-type"}}])
     with pytest.raises(ValueError, match="'m'"):
-        C.load_schemas(malformed)
+        S.load_schemas(malformed)
     twice = write_json(tmp_path / "twice.json", [{"name": "d", "schema": {}}, {"name": "d", "schema": {}}])
     with pytest.raises(ValueError, match="unique"):
-        C.load_schemas(twice)
+        S.load_schemas(twice)
 
 
 def test_relative_schemas_file_resolves_from_the_repository_root(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # as under the runner: the working directory is not the root
-    assert [e["name"] for e in C.load_schemas("notebooks/params/masking/smoke_schemas.json")] == ["answer_confidence"]
+    assert [e["name"] for e in S.load_schemas("notebooks/params/masking/smoke_schemas.json")] == ["answer_confidence"]
 
 
 def test_smoke_schema_and_task_files_are_copies_of_shipped_entries():
     from decodelab.constrained import distortion as D
 
-    shipped = {e["name"]: e for e in C.load_schemas()}
-    for entry in C.load_schemas("notebooks/params/masking/smoke_schemas.json"):
+    shipped = {e["name"]: e for e in S.load_schemas()}
+    for entry in S.load_schemas("notebooks/params/masking/smoke_schemas.json"):
         assert entry == shipped[entry["name"]]
     tasks = {t["name"]: t for t in D.load_tasks()}
     for task in D.load_tasks("notebooks/params/masking/smoke_tasks.json"):
@@ -252,7 +253,7 @@ def test_mask_overhead_is_judged_on_the_mean_fill_with_p50_and_p99_beside_it():
     rows = cost("xgrammar", [1.0] * 99 + [991.0])
     step = {1: [2e-4, 1e-4, 3e-4], 16: [4e-4]}  # the fastest timed step is the reference
     apply = {1: 1e-6, 16: 2e-6}
-    [summary] = C.mask_overhead_summary(rows, step, apply)
+    [summary] = S.mask_overhead_summary(rows, step, apply)
     assert summary["fills"] == 100 and summary["p50_us"] == 1.0
     assert summary["mean_us"] == pytest.approx(10.9)
     assert summary["p99_us"] == pytest.approx(1.0 + 0.01 * 990)  # linear interpolation between ranks 98 and 99
@@ -260,24 +261,24 @@ def test_mask_overhead_is_judged_on_the_mean_fill_with_p50_and_p99_beside_it():
     assert summary["overhead_b1_p50"] == pytest.approx((1e-6 + 1e-6) / 1e-4)
     assert summary["overhead_b16_mean"] == pytest.approx((16 * 10.9e-6 + 2e-6) / 4e-4)
     assert summary["step_b1_ms"] == pytest.approx(0.1)
-    assert C.overhead_of([summary], "xgrammar", 1) == summary["overhead_b1_mean"]
-    assert C.overhead_of([summary], "llguidance", 1) is None
+    assert S.overhead_of([summary], "xgrammar", 1) == summary["overhead_b1_mean"]
+    assert S.overhead_of([summary], "llguidance", 1) is None
 
 
 def test_overhead_goal_fails_on_a_slow_mean_even_when_the_p50_passes():
     rows = cost("xgrammar", [1.0] * 99 + [991.0])
-    summary = C.mask_overhead_summary(rows, {1: [1e-4]}, {1: 0.0})
-    goal = C.overhead_goal(summary, "xgrammar", 1, target=0.05)
+    summary = S.mask_overhead_summary(rows, {1: [1e-4]}, {1: 0.0})
+    goal = S.overhead_goal(summary, "xgrammar", 1, target=0.05)
     assert summary[0]["overhead_b1_p50"] <= 0.05 < goal.value
     assert goal.met is False and goal.op == "<=" and "p50" in goal.note and "p99" in goal.note
-    assert C.overhead_goal(summary, "llguidance", 1, target=0.05).met is None  # not measured
+    assert S.overhead_goal(summary, "llguidance", 1, target=0.05).met is None  # not measured
 
 
 def test_naive_slowdown_compares_the_same_grammar_states_only():
     # naive times only step 0; xgrammar's step 0 costs 10 us and its later steps 1 us.
     rows = cost("naive", [5000.0]) + cost("xgrammar", [10.0] + [1.0] * 9)
-    assert C.naive_slowdown(rows) == pytest.approx(500.0)
-    assert C.naive_slowdown(cost("xgrammar", [1.0])) is None
+    assert S.naive_slowdown(rows) == pytest.approx(500.0)
+    assert S.naive_slowdown(cost("xgrammar", [1.0])) is None
 
 
 # ---------------------------------------------------------------- jump-forward summary
@@ -307,6 +308,6 @@ def test_user_schemas_file_on_top_of_a_profile_runs_every_schema_of_that_file(tm
     path = write_json(tmp_path / "mine.json", [{"name": "p", "schema": {"type": "string"}},
                                                {"name": "q", "schema": {"type": "integer"}}])
     _, _, merged = runs.prepare("masking", profile, {"schemas_file": str(path)})
-    assert [e["name"] for e in C.load_schemas(merged["schemas_file"], merged["schemas"])] == ["p", "q"]
+    assert [e["name"] for e in S.load_schemas(merged["schemas_file"], merged["schemas"])] == ["p", "q"]
     _, _, merged = runs.prepare("masking", profile, {"schemas_file": str(path), "schemas": ["q"]})
-    assert [e["name"] for e in C.load_schemas(merged["schemas_file"], merged["schemas"])] == ["q"]
+    assert [e["name"] for e in S.load_schemas(merged["schemas_file"], merged["schemas"])] == ["q"]

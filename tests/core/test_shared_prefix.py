@@ -179,7 +179,7 @@ def test_half_precision_inputs_are_computed_in_float32():
 
 
 def test_attention_benchmark_times_both_impls():
-    from decodelab.core.shared_prefix import attention_benchmark
+    from decodelab.consistency.attention_bench import attention_benchmark
 
     rows = attention_benchmark([16], [1, 2], repeats=1)
     assert [(r["n"], r["impl"]) for r in rows] == [(1, "shared"), (1, "unshared"), (2, "shared"), (2, "unshared")]

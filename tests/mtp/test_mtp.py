@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from decodelab.core import engine
 from decodelab.core.models import tiny_model
 from decodelab.core.transformer import Transformer
+from decodelab.mtp import drafter as mtp_drafter
 from decodelab.mtp import model as mtp
+from decodelab.mtp import self_speculation
 from decodelab.mtp import train as mtp_train
 
 VOCAB = 97
@@ -120,7 +122,7 @@ def test_drafter_cached_head_states_equal_training_path(style, n_heads):
     tokens = batch(rows=2, length=12)
     hidden = model.hidden(tokens)
     following = torch.roll(tokens, -1, dims=1)
-    drafter = mtp.MTPDrafter(model)
+    drafter = mtp_drafter.MTPDrafter(model)
     drafter.begin(tokens.tolist(), max_len=32)
     n = 11  # feed positions 0..10 in two ragged chunks (every state's next token is known)
     drafter.observe(hidden[:, :5], torch.tensor([5, 5]), following[:, :5])
@@ -135,7 +137,7 @@ def test_self_speculative_greedy_equals_plain_greedy(style, n_heads):
     model = small(style, n_heads=n_heads, peaked=True)
     prompts = [[1, 5, 7, 9, 3], [4, 4, 2], [8] * 9, [11]]
     plain = engine.generate(Transformer.from_hf(model.trunk), prompts, max_new_tokens=25, eos_token_ids=[])
-    spec = mtp.self_speculative_generate(model, prompts, max_new_tokens=25)
+    spec = self_speculation.self_speculative_generate(model, prompts, max_new_tokens=25)
     assert spec.tokens == plain.tokens
     assert spec.stats.tau >= 1.0
 
@@ -146,7 +148,7 @@ def test_self_speculative_stops_at_eos_like_plain_greedy():
     plain = engine.generate(Transformer.from_hf(model.trunk), prompts, max_new_tokens=30, eos_token_ids=[])
     eos = plain.tokens[0][6]
     plain = engine.generate(Transformer.from_hf(model.trunk), prompts, max_new_tokens=30, eos_token_ids=[eos])
-    spec = mtp.self_speculative_generate(model, prompts, max_new_tokens=30, eos_token_ids=[eos])
+    spec = self_speculation.self_speculative_generate(model, prompts, max_new_tokens=30, eos_token_ids=[eos])
     assert spec.tokens == plain.tokens
 
 
@@ -157,7 +159,7 @@ def test_mtp_drafter_in_speculative_loop_keeps_greedy_output():
     prompts = [[1, 5, 7, 9, 3], [4, 4, 2]]
     tr = Transformer.from_hf(model.trunk)
     plain = engine.generate(tr, prompts, max_new_tokens=20, eos_token_ids=[])
-    spec = speculative.generate(tr, prompts, mtp.MTPDrafter(model), k=3, max_new_tokens=20, eos_token_ids=[])
+    spec = speculative.generate(tr, prompts, mtp_drafter.MTPDrafter(model), k=3, max_new_tokens=20, eos_token_ids=[])
     assert spec.tokens == plain.tokens
 
 
@@ -170,11 +172,11 @@ def test_drafter_reads_new_hidden_from_context_like_feed():
     with torch.no_grad():
         hidden = model.hidden(tokens)
     pending = [[10], [11]]  # the target's next choices, not yet cached
-    fed = mtp.MTPDrafter(model)
+    fed = mtp_drafter.MTPDrafter(model)
     fed.begin(prompts, max_len=32)
     following = torch.tensor([[2, 3, 4, 5, 6, 10], [8, 9, 11, 0, 0, 0]])
     fed.observe(hidden, lengths, following)
-    via_ctx = mtp.MTPDrafter(model)
+    via_ctx = mtp_drafter.MTPDrafter(model)
     via_ctx.begin(prompts, max_len=32)
     tokens = [p + q for p, q in zip(prompts, pending)]
     ctx = DraftContext(tokens=tokens, new_hidden=hidden, new_hidden_lengths=lengths)  # what speculative.generate passes
@@ -192,10 +194,10 @@ def test_checkpoint_round_trip_gives_identical_proposals(tmp_path, retrofit):
         model = small("gloeckle", n_heads=3)
     mtp_train.train(model, patterned_blocks(), mtp_train.TrainConfig(steps=2, batch_size=4))
     mtp_train.save_checkpoint(model, tmp_path, extra={"retrofit_model": "tiny"} if retrofit else None)
-    drafter = mtp.load_mtp_drafter(tmp_path, trunk=frozen if retrofit else None)
+    drafter = mtp_drafter.load_mtp_drafter(tmp_path, trunk=frozen if retrofit else None)
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
     outputs = []
-    for d in (mtp.MTPDrafter(model), drafter):
+    for d in (mtp_drafter.MTPDrafter(model), drafter):
         d.begin(prompts, max_len=32)
         tokens, lengths = engine.pad_prompts(prompts, torch.device("cpu"))
         with torch.no_grad():
@@ -215,7 +217,7 @@ def test_invalid_parameters_name_the_value():
     with pytest.raises(ValueError, match="backward='both'"):
         mtp.mtp_loss(small(), batch(), backward="both")
     with pytest.raises(ValueError, match="n_heads=3"):
-        mtp.MTPDrafter(small("deepseek", n_heads=3))
+        mtp_drafter.MTPDrafter(small("deepseek", n_heads=3))
 
 
 def test_sequential_backward_peak_memory_below_joint():
@@ -285,7 +287,7 @@ def test_data_parallel_training_matches_one_process(tmp_path, monkeypatch):
 def test_drafter_without_hidden_states_names_what_the_context_lacked():
     from decodelab.speculation.drafters import DraftContext
 
-    drafter = mtp.MTPDrafter(small("gloeckle", n_heads=2))
+    drafter = mtp_drafter.MTPDrafter(small("gloeckle", n_heads=2))
     drafter.begin([[1, 2]], max_len=8)
     with pytest.raises(ValueError, match="new_hidden or ctx.last_hidden"):
         drafter.propose(DraftContext(tokens=[[1, 2, 3]]), 1)

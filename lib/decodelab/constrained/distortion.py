@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-# ---------------------------------------------------------------- the token trie
+from decodelab.core.tree_cache import TreeCache
+
 
 @dataclass
 class TokenTrie:
@@ -151,65 +152,6 @@ def build_trie(strings: list[str], token_bytes: list[bytes | None], stop_token_i
     return trie
 
 
-# ---------------------------------------------------------------- tree attention over the trie
-
-class TreeCache:
-    """A KV cache for scoring a token tree in chunks: same `attend` interface as `transformer.KVCache`.
-
-    Slots [0, P) hold the prompt; trie node i (i >= 1) lives in slot P + i - 1. A chunk of nodes sees the
-    prompt plus each node's ancestors (and itself); RoPE positions are P + depth - 1. Batch size 1.
-    """
-
-    def __init__(self, base, prompt_len: int, parents: list[int], depths: list[int]):
-        self.base = base
-        self.prompt_len = prompt_len
-        self.lengths = base.lengths
-        n = len(parents)
-        # ancestors[i, j]: node j is node i or an ancestor of it (j >= 1); parents-first order lets one pass fill it
-        ancestors = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(1, n):
-            if parents[i] > 0:
-                ancestors[i] = ancestors[parents[i]]
-            ancestors[i, i] = True
-        self._ancestors = ancestors[:, 1:]  # columns: slots P + 0 .. P + n - 2
-        self._depths = torch.tensor(depths, dtype=torch.long)
-        self._chunk: tuple[int, int] | None = None
-
-    def set_chunk(self, start: int, stop: int) -> None:
-        """The next forward scores nodes [start, stop) (all ancestors already in the cache or in the chunk)."""
-        self._chunk = (start, stop)
-
-    def positions(self, n_tokens: int) -> torch.Tensor:
-        start, stop = self._chunk
-        assert stop - start == n_tokens
-        return (self.prompt_len + self._depths[start:stop] - 1)[None].to(self.lengths.device)
-
-    def begin_forward(self, positions: torch.Tensor) -> None:
-        start, stop = self._chunk
-        span = self.prompt_len + stop - 1
-        if span > self.base.max_len:
-            raise ValueError(f"KV cache overflow: need {span} positions, max_len={self.base.max_len}")
-        visible = torch.zeros(1, stop - start, span, dtype=torch.bool)
-        visible[0, :, : self.prompt_len] = True
-        visible[0, :, self.prompt_len:] = self._ancestors[start:stop, : stop - 1]
-        self._visible = visible.to(self.lengths.device)
-        self._span = span
-
-    def attend(self, slot, q, k_new, v_new, positions):
-        """Write the chunk's keys/values at their slots, attend over prompt + ancestors. Shapes as KVCache.attend."""
-        from decodelab.core.kv_cache import grouped_attention
-
-        start, stop = self._chunk
-        where = torch.arange(self.prompt_len + start - 1, self.prompt_len + stop - 1, device=q.device)
-        keys, values = self.base.keys[slot], self.base.values[slot]
-        keys[0, :, where] = k_new[0]
-        values[0, :, where] = v_new[0]
-        return grouped_attention(q, keys[:, :, : self._span], values[:, :, : self._span], self._visible)
-
-    def crop(self, new_lengths: torch.Tensor) -> None:
-        self.lengths = new_lengths.to(self.lengths)
-
-
 @torch.inference_mode()
 def score_trie(model, prompt: list[int], trie: TokenTrie, *, chunk_size: int = 256) -> TokenTrie:
     """Fill trie.child_logp / trie.eos_logp with the model's next-token log-probs at every node.
@@ -241,8 +183,6 @@ def score_trie(model, prompt: list[int], trie: TokenTrie, *, chunk_size: int = 2
         trie.eos_logp.append(float(torch.logsumexp(logp[stops], 0)))
     return trie
 
-
-# ---------------------------------------------------------------- exact distributions
 
 @dataclass
 class ExactDistributions:
@@ -343,8 +283,6 @@ def _masked_on_paths(trie: TokenTrie, ends: dict[str, int]) -> dict[str, float]:
     return out
 
 
-# ---------------------------------------------------------------- divergences
-
 def kl(p: dict[str, float], q: dict[str, float]) -> float:
     """KL(p || q) = sum_s p(s) log(p(s) / q(s)) in nats (inf if q misses mass p has)."""
     total = 0.0
@@ -365,8 +303,6 @@ def tv(p: dict[str, float], q: dict[str, float]) -> float:
     keys = set(p) | set(q)
     return 0.5 * sum(abs(p.get(s, 0.0) - q.get(s, 0.0)) for s in keys)
 
-
-# ---------------------------------------------------------------- tasks (experiment 1)
 
 def default_tasks_file():
     from decodelab.workloads.paths import data_file

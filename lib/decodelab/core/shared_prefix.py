@@ -26,8 +26,6 @@ import torch
 
 from decodelab.core.kv_cache import KVCache
 
-# ---------------------------------------------------------------- attention maths
-
 
 def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,9 +127,6 @@ def shared_prefix_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: t
     wide = lse_p.dtype  # float32 for half-precision inputs, else the input dtype
     out = merge_attention(out_p.to(wide), lse_p, out_s.to(wide), lse_s).to(q.dtype)
     return out.reshape(batch, n_heads, n_new, head_dim)
-
-
-# ---------------------------------------------------------------- the cache
 
 
 class SharedPrefixKVCache:
@@ -252,9 +247,6 @@ class SharedPrefixKVCache:
             self._visible, row_counts=self.row_counts, prefix_mask=self._prefix_mask)
 
 
-# ---------------------------------------------------------------- sampling n rows per prompt
-
-
 @dataclass
 class SampleResult:
     """n samples per prompt. Rows are grouped by prompt: row_prompt[b] is the prompt row b continues."""
@@ -319,9 +311,6 @@ def generate_shared(model, prompts: list[list[int]], n, *, max_new_tokens: int =
                         cache_bytes=cache_bytes(cache))
 
 
-# ---------------------------------------------------------------- KV bytes: measured and analytic
-
-
 def cache_tensors(cache) -> list[torch.Tensor]:
     """The key/value tensors a cache holds: a `SharedPrefixKVCache` (prefix + suffix), a `KVCache`, a
     transformers `Cache` (`DynamicCache`: `.layers[i].keys/.values`; older versions `.key_cache/.value_cache`)
@@ -369,55 +358,3 @@ def analytic_kv_bytes(per_token: int, prompt_len: int, n: int, new_tokens: int, 
     A formula, not a measurement: `cache_bytes` measures what a cache actually holds."""
     positions = prompt_len + n * new_tokens if shared else n * (prompt_len + new_tokens)
     return positions * per_token
-
-
-def attention_benchmark(prompt_lengths, n_values, *, n_heads: int = 9, n_kv_heads: int = 3, head_dim: int = 64,
-                        suffix_len: int = 32, repeats: int = 5, device="cpu", dtype=torch.float32,
-                        seed: int = 0) -> list[dict]:
-    """Time one decode step of one attention layer: shared-prefix attention vs standard attention over n
-    materialized copies of the prompt KV (what an unshared cache holds). Defaults: the embedded model's
-    head shapes. The two are timed in alternation, `repeats` rounds after one warm-up call each.
-    -> [{prompt_len, n, impl: "shared" | "unshared", seconds (min per call), seconds_max, seconds_spread}]"""
-    from decodelab.core.kv_cache import grouped_attention
-
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats!r} must be >= 1")
-    g = torch.Generator(device=device).manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
-    rows = []
-    for prompt_len in prompt_lengths:
-        prefix_k, prefix_v = rand(1, n_kv_heads, prompt_len, head_dim), rand(1, n_kv_heads, prompt_len, head_dim)
-        for n in n_values:
-            q = rand(n, n_heads, 1, head_dim)
-            suffix_k, suffix_v = rand(n, n_kv_heads, suffix_len, head_dim), rand(n, n_kv_heads, suffix_len, head_dim)
-            suffix_mask = torch.ones(n, 1, suffix_len, dtype=torch.bool, device=device)
-            full_k = torch.cat([prefix_k.expand(n, -1, -1, -1), suffix_k], dim=2)  # n copies, as unshared holds
-            full_v = torch.cat([prefix_v.expand(n, -1, -1, -1), suffix_v], dim=2)
-            full_mask = torch.ones(n, 1, prompt_len + suffix_len, dtype=torch.bool, device=device)
-            calls = {
-                "shared": lambda: shared_prefix_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_mask,
-                                                          row_counts=[n]),
-                "unshared": lambda: grouped_attention(q, full_k, full_v, full_mask),
-            }
-            times = _alternating_times(calls, repeats, torch.device(device))
-            for impl, t in times.items():
-                rows.append({"prompt_len": prompt_len, "n": n, "impl": impl, "seconds": min(t),
-                             "seconds_max": max(t), "seconds_spread": (max(t) - min(t)) / min(t)})
-    return rows
-
-
-def _alternating_times(calls: dict, repeats: int, device: torch.device) -> dict:
-    """{name: [seconds per call]}: one warm-up each, then `repeats` rounds, the call order flipping each round."""
-    from decodelab.core.engine import synchronize
-
-    for call in calls.values():
-        call()  # warm-up
-    names, times = list(calls), {name: [] for name in calls}
-    for r in range(repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            synchronize(device)
-            start = time.perf_counter()
-            calls[name]()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    return times

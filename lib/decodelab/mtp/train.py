@@ -465,7 +465,7 @@ def self_spec_benchmark(model: MTPModel, prompts: list[list[int]], batch_sizes: 
     """
     from decodelab.core.engine import generate
     from decodelab.core.transformer import Transformer
-    from decodelab.mtp.model import self_speculative_generate
+    from decodelab.mtp.self_speculation import self_speculative_generate
 
     tr = Transformer.from_hf(model.trunk)
     eos = list(eos_token_ids or [])

@@ -1,0 +1,149 @@
+"""MTP heads as a drafter: the trained heads propose k tokens that the speculative loop verifies."""
+from __future__ import annotations
+
+import torch
+
+from decodelab.mtp.model import MTPModel, decoder_layer
+
+
+# -- drafting ----------------------------------------------------------------------------------------
+def layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, slot: int,
+               positions: torch.Tensor, config) -> torch.Tensor:
+    """`layer_forward` with a KV cache (decodelab.core.kv_cache.KVCache slot): (B, T, D) -> (B, T, D).
+
+    cos, sin: (B, 1, T, d_head) for `positions` (B, T); `cache.begin_forward(positions)` must have run.
+    """
+    return decoder_layer(layer, x, cos, sin, config, lambda q, k, v: cache.attend(slot, q, k, v, positions))
+
+
+class MTPDrafter:
+    """The trained heads as a drafter (`decodelab.speculation.drafters.Drafter` protocol): head j drafts t_{p+j}.
+
+    The heads are transformer layers, so they keep their own KV cache over the target's positions.
+    `observe(hidden, n_new, next_tokens)` appends the target's final-normed states of the positions it just
+    added to its cache; `propose` then unembeds each head's state at the last position (cheap: no
+    forward beyond the heads). Head j >= 2 gives draft j - 1, so k <= n_heads - 1 real drafts
+    (more are padding, marked by `lengths`).
+
+    The heads attend over every earlier position, so they need the target's state at *every* position
+    it caches, not only the last. Two ways in give them that: a loop that calls `observe` after each
+    target forward (`self_speculative_generate`), or the DraftContext fields `new_hidden` (B, T, D) +
+    `new_hidden_lengths` (B,), which `decodelab.speculation.decode.generate` fills for `needs_hidden` drafters.
+    A loop that sets only `ctx.last_hidden` makes the drafter observe that one position per step:
+    proposals stay valid, but the heads' context has gaps and acceptance drops.
+    DeepSeek modules draft with depth 1 only (module 2 would need an unverified draft as input).
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, model: MTPModel):
+        if model.n_heads < 2:
+            raise ValueError(f"n_heads={model.n_heads} has no extra head to draft with (needs >= 2)")
+        if model.config.style == "deepseek" and model.n_heads > 2:
+            raise ValueError(f"mtp_style='deepseek' drafts with depth 1 only; got n_heads={model.n_heads} (allowed: 2)")
+        self.model = model
+        self.cache = None
+        self._last = None
+        self._fed = False
+
+    def begin(self, prompts: list[list[int]], *, max_len: int) -> None:
+        from decodelab.core.kv_cache import KVCache
+
+        tc = self.model.trunk.config
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        self.cache = KVCache(len(self.model.heads), len(prompts), tc.num_key_value_heads, head_dim, max_len,
+                             dtype=self.model.trunk.dtype, device=self.model.device)
+        self._last, self._fed = None, False
+
+    @torch.inference_mode()
+    def observe(self, hidden: torch.Tensor, n_new: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """hidden (B, T, D): target states of positions appended since the last call (row b: n_new[b] valid,
+        n_new[b] may be 0); next_tokens (B, T): the token that follows each of those positions."""
+        model, cache = self.model, self.cache
+        n_new = n_new.to(cache.lengths)
+        positions = cache.positions(hidden.shape[1])
+        cache.begin_forward(positions)
+        cos, sin = model.trunk.model.rotary_emb(hidden, positions)
+        cos, sin = cos[:, None].to(hidden.dtype), sin[:, None].to(hidden.dtype)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        last = (n_new - 1).clamp_min(0)
+        states = []
+        for slot, module in enumerate(model.heads):
+            if model.config.style == "gloeckle":
+                x, layer = hidden, module
+            else:  # depth-1 module: [RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]
+                x, layer = module.combine(hidden, model.trunk.model.embed_tokens(next_tokens)), module.block
+            out = layer_step(layer, x, cos, sin, cache, slot, positions, model.trunk.config)
+            states.append(out[rows, last])
+        cache.crop(cache.lengths + n_new)
+        new_last = torch.stack(states)  # (n_heads - 1, B, D)
+        keep = (n_new > 0)[None, :, None]
+        self._last = new_last if self._last is None else torch.where(keep, new_last, self._last)
+        self._fed = True
+
+    @torch.inference_mode()
+    def propose(self, ctx, k: int):
+        from decodelab.speculation.drafters import DraftProposal
+
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k={k!r} must be an int >= 1")
+        if not self._fed and ctx.new_hidden is not None:  # DraftContext.new_hidden: every newly cached state
+            self.observe(ctx.new_hidden, ctx.new_hidden_lengths,
+                         self._following(ctx.tokens, ctx.new_hidden_lengths, ctx.new_hidden.shape[1]))
+        elif not self._fed:  # a loop that gives only the last position's state
+            if ctx.last_hidden is None:
+                raise ValueError("MTPDrafter needs ctx.new_hidden or ctx.last_hidden (needs_hidden=True), "
+                                 "or an observe() before propose; the context carried neither")
+            pending = torch.tensor([row[-1] for row in ctx.tokens], device=self.model.device)
+            ones = torch.ones(ctx.batch_size, dtype=torch.long, device=self.model.device)
+            self.observe(ctx.last_hidden[:, None].to(self.model.trunk.dtype), ones, pending[:, None])
+        self._fed = False
+        logits = self.model.unembed(self._last, 2).float()  # (n_heads - 1, B, V)
+        n_real = min(k, logits.shape[0])
+        probs = None
+        if ctx.sampler is None:
+            tokens = logits[:n_real].argmax(-1).T  # (B, n_real)
+        else:
+            tokens = torch.stack([ctx.sampler.sample(logits[i], ctx.generator) for i in range(n_real)], dim=1)
+            probs = torch.stack([ctx.sampler.probs(logits[i]) for i in range(n_real)], dim=1)
+        lengths = None
+        if n_real < k:  # pad: verification rejects positions past `lengths`
+            pad = tokens[:, -1:].expand(-1, k - n_real)
+            tokens = torch.cat([tokens, pad], dim=1)
+            if probs is not None:
+                probs = torch.cat([probs, probs[:, -1:].expand(-1, k - n_real, -1)], dim=1)
+            lengths = torch.full((tokens.shape[0],), n_real, dtype=torch.long, device=tokens.device)
+        return DraftProposal(tokens=tokens, probs=probs, lengths=lengths)
+
+    def _following(self, tokens: list[list[int]], lengths: torch.Tensor, width: int) -> torch.Tensor:
+        """(B, width) the token after each newly cached position: row b's last lengths[b] cached positions
+        are len(tokens[b]) - 1 - lengths[b] .. len(tokens[b]) - 2 (the pending token is not cached yet)."""
+        out = torch.zeros((len(tokens), width), dtype=torch.long)
+        for b, (row, n) in enumerate(zip(tokens, lengths.tolist())):
+            if n:
+                out[b, :n] = torch.tensor(row[len(row) - n:])
+        return out.to(self.model.device)
+
+    def target(self):
+        """The trunk as the engine's `Transformer`: the model these heads draft for."""
+        from decodelab.core.transformer import Transformer
+
+        return Transformer.from_hf(self.model.trunk)
+
+    def rollback(self, n_accepted: torch.Tensor) -> None:
+        """Nothing to undo: the heads' cache only ever holds positions the target accepted."""
+
+    def __repr__(self) -> str:
+        return f"MTPDrafter(style={self.model.config.style!r}, n_heads={self.model.n_heads})"
+
+
+def load_mtp_drafter(checkpoint_dir, *, device=None, trunk=None) -> MTPDrafter:
+    """A checkpoint written by `mtp_train.save_checkpoint` -> its heads as an `MTPDrafter`.
+
+    From-scratch checkpoints carry their trunk (`drafter.target()` is the model to verify with);
+    retrofit checkpoints load the frozen model they name, or use `trunk` (a LlamaForCausalLM) if given.
+    """
+    from decodelab.mtp.train import load_checkpoint
+
+    return MTPDrafter(load_checkpoint(checkpoint_dir, device=device, trunk=trunk))
