@@ -3,11 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROFILE ?= cpu
-NOTEBOOKS ?= quickstart speculation sampling mtp masking consistency
+# every registered notebook (decodelab.suite.registry), in order; override to run a few: make all NOTEBOOKS="mtp"
+NOTEBOOKS ?= $(shell $(PY) -m decodelab list --names 2>/dev/null)
 STAMP := $(VENV)/.installed
 
 .PHONY: all setup lint test test-fast lab report findings bench clean
 all: setup
+	@test -n "$(NOTEBOOKS)" || { echo "make all: no notebooks (is $(PY) set up? try make setup)" >&2; exit 1; }
 	@for nb in $(NOTEBOOKS); do \
 	  $(PY) -m decodelab run $$nb --profile $(PROFILE) || exit 1; \
 	done

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every notebook once on a GPU with a short, gpu-sized run (< 8 minutes in all on one H100/H200).
 # Uses each notebook's `gpu` profile (hub models: the machine must reach the hub, or set MODEL to a local
-# directory or to the embedded "smollm2-135m") with grids cut down by -p overrides.
+# directory or to the embedded "smollm2-135m") with grids cut down by -p overrides: each notebook's
+# `gpu_check` record in decodelab.suite.registry, listed by `decodelab list --gpu-check`.
 #   scripts/gpu_check.sh                 # hub models from the gpu profiles
 #   MODEL=smollm2-135m scripts/gpu_check.sh
 set -euo pipefail
@@ -20,10 +21,10 @@ run() {  # run NOTEBOOK [-p key=value ...]
   "$PY" -m decodelab run "$nb" --profile gpu "${model_override[@]}" "$@"
 }
 
-run quickstart -p max_new_tokens=64 -p "batch_sizes=[1,16,128]"
-run speculation -p "batch_sizes=[1,16,128]" -p "ks=[2,4]" -p max_new_tokens=64 -p calibration_repeats=2
-run sampling -p n_problems=32 -p "temperatures=[0.7,1.5]" -p n_writing_prompts=8 -p writing_samples=4 -p confidence_steps=512 -p n_boot=200
-run mtp -p "n_heads=[1,4]" -p "mtp_style=[gloeckle]" -p train_tokens=1048576 -p "seeds=[0]" -p retrofit_tokens=131072 -p retrofit_steps=50 -p "spec_batch_sizes=[1,8]"
-run masking -p n_samples=8 -p max_new_tokens=64
-run consistency -p n_problems=16 -p "n_values=[1,4,16]" -p "prompt_lengths=[512,2048]" -p "cost_n_values=[1,16]"
+# One line per registered notebook: NAME -p key=value ... (its `gpu_check` record in decodelab.suite.registry).
+lines=$("$PY" -m decodelab list --gpu-check)
+while IFS= read -r line; do
+  eval "args=($line)"  # the line is shell-quoted by `decodelab list --gpu-check` (shlex.join)
+  run "${args[@]}"
+done <<< "$lines"
 echo "gpu_check: all notebooks ran; results under results/<notebook>/"

@@ -42,11 +42,11 @@ class SmokeRuns:
 
     def __call__(self, name: str):
         """The run directory of `name`'s smoke run (executing it the first time)."""
-        from decodelab.suite import runs
+        from decodelab.suite import runner
 
         if name not in self._done:
             try:
-                self._done[name] = runs.execute(name, "smoke", root=self.root, progress=False, log=lambda *_: None)
+                self._done[name] = runner.execute(name, "smoke", root=self.root, progress=False, log=lambda *_: None)
             except Exception as error:  # noqa: BLE001 - cached and re-raised to every asker
                 self._done[name] = error
         outcome = self._done[name]

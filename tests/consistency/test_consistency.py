@@ -215,7 +215,7 @@ def test_hf_processed_scores_equal_our_sampler_probs(tiny):
     import torch
 
     from decodelab.consistency.cost import hf_sampling_kwargs, long_prompt
-    from decodelab.consistency.votes import make_sampler
+    from decodelab.consistency.experiment import make_sampler
 
     for settings in ({"top_k": 5}, {"top_k": 40, "top_p": 0.9}, {"min_p": 0.1}):
         sampler = make_sampler(0.7, settings)
@@ -266,7 +266,7 @@ def test_baselines_skipped_beyond_the_token_budget(tiny):
 
 def test_check_shared_equals_unshared_on_tiny(tiny):
     from decodelab.consistency.cost import long_prompt
-    from decodelab.consistency.votes import check_shared_equals_unshared
+    from decodelab.consistency.experiment import check_shared_equals_unshared
 
     check = check_shared_equals_unshared(tiny, [long_prompt(None, 9, seed=1), long_prompt(None, 14, seed=2)], 3,
                                          max_new_tokens=6)
@@ -302,7 +302,7 @@ def _goal_point(**overrides):
 
 
 def test_notebook_goals_judge_each_value_against_its_target():
-    from decodelab.consistency.votes import notebook_goals
+    from decodelab.consistency.experiment import notebook_goals
 
     early = [{"method": "majority", "setting": "n=16"},
              {"method": "adaptive_consistency", "setting": "beta>=0.95", "saved": 0.6, "accuracy_change": 0.0,
@@ -318,7 +318,7 @@ def test_notebook_goals_judge_each_value_against_its_target():
 
 
 def test_findings_follow_the_numbers():
-    from decodelab.consistency.votes import findings
+    from decodelab.consistency.experiment import findings
 
     kwargs = dict(greedy_accuracy=0.3, early_rows=[], cost_rows=[
         {"method": "shared", "prompt_len": 1000, "n": 16, "seconds": 1.0},

@@ -5,14 +5,16 @@ import pytest
 import torch
 
 from decodelab.constrained import decode as C
+from decodelab.constrained import mask_cost as MC
 from decodelab.constrained import masks as M
 from decodelab.constrained import study as S
-from decodelab.constrained.distortion import chat_prompt
-from decodelab.constrained.jump_forward import saved_fraction
+from decodelab.constrained.jump_forward_study import saved_fraction
 from decodelab.core.models import resolve_model_path, tiny_model
 from decodelab.core.sampling import Sampler, SamplerConfig
+from decodelab.workloads.constrained import load_schemas, load_tasks
+from decodelab.workloads.prompts import user_prompt_ids
 
-SUITE = S.load_schemas()
+SUITE = load_schemas()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def test_random_logits_outputs_match_regex(engines, tok):
 def test_sampled_generate_outputs_all_validate(engines, tok, tiny49k):
     entry = SUITE[0]
     constraint = M.Constraint.json(entry["schema"], name=entry["name"])
-    res = C.generate(tiny49k, [chat_prompt(tok, entry["prompt"])] * 4, constraint, engines["xgrammar"],
+    res = C.generate(tiny49k, [user_prompt_ids(tok, entry["prompt"])] * 4, constraint, engines["xgrammar"],
                      max_new_tokens=120, sampler=Sampler(SamplerConfig(temperature=1.0)),
                      generator=torch.Generator().manual_seed(0), tokenizer=tok)
     assert all(res.finished) and all(res.valid)
@@ -99,7 +101,7 @@ def test_batched_jump_forward_rows_equal_single_row_runs(engines, tok, tiny49k):
 
 
 def test_retokenize_jump_forward_outputs_validate_and_save_passes(engines, tok, tiny49k):
-    from decodelab.constrained.jump_forward import jump_forward_savings
+    from decodelab.constrained.jump_forward_study import jump_forward_savings
 
     items = S.schema_items([e for e in SUITE if e["fixed_keys"]][:3], tok)
     rows = jump_forward_savings(tiny49k, tok, engines["xgrammar"], items, max_new_tokens=120)
@@ -191,14 +193,14 @@ def write_json(path, value):
 
 def test_user_schemas_file_is_used_whole_when_no_names_are_given(tmp_path):
     path = write_json(tmp_path / "mine.json", [{"type": "object", "title": "a"}, {"type": "string"}])
-    assert [e["name"] for e in S.load_schemas(path)] == ["a", "schema_1"]
-    assert [e["name"] for e in S.load_schemas(path, ["schema_1"])] == ["schema_1"]
+    assert [e["name"] for e in load_schemas(path)] == ["a", "schema_1"]
+    assert [e["name"] for e in load_schemas(path, ["schema_1"])] == ["schema_1"]
 
 
 def test_unknown_schema_name_error_names_the_value_and_the_files_schemas(tmp_path):
     path = write_json(tmp_path / "mine.json", [{"name": "x", "schema": {"type": "string"}}])
     with pytest.raises(ValueError) as error:
-        S.load_schemas(path, ["answer_confidence"])
+        load_schemas(path, ["answer_confidence"])
     message = str(error.value)
     assert "answer_confidence" in message and "['x']" in message and "mine.json" in message
 
@@ -207,37 +209,35 @@ def test_unknown_schema_name_error_names_the_value_and_the_files_schemas(tmp_pat
 def test_schema_selection_that_is_not_a_list_of_names_is_rejected(tmp_path, names):
     path = write_json(tmp_path / "mine.json", [{"name": "x", "schema": {"type": "string"}}])
     with pytest.raises(ValueError, match="schemas="):
-        S.load_schemas(path, names)
+        load_schemas(path, names)
 
 
 def test_missing_or_malformed_schemas_file_fails_with_the_value_named(tmp_path):
     with pytest.raises(ValueError, match="schemas_file='nowhere.json' is not a file"):
-        S.load_schemas("nowhere.json")
+        load_schemas("nowhere.json")
     bad = tmp_path / "bad.json"
     bad.write_text("[{", encoding="utf-8")
     with pytest.raises(ValueError, match="is not valid JSON"):
-        S.load_schemas(bad)
+        load_schemas(bad)
     malformed = write_json(tmp_path / "malformed.json", [{"name": "m", "schema": {"type": "no-such-type"}}])
     with pytest.raises(ValueError, match="'m'"):
-        S.load_schemas(malformed)
+        load_schemas(malformed)
     twice = write_json(tmp_path / "twice.json", [{"name": "d", "schema": {}}, {"name": "d", "schema": {}}])
     with pytest.raises(ValueError, match="unique"):
-        S.load_schemas(twice)
+        load_schemas(twice)
 
 
 def test_relative_schemas_file_resolves_from_the_repository_root(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # as under the runner: the working directory is not the root
-    assert [e["name"] for e in S.load_schemas("notebooks/params/masking/smoke_schemas.json")] == ["answer_confidence"]
+    assert [e["name"] for e in load_schemas("notebooks/params/masking/smoke_schemas.json")] == ["answer_confidence"]
 
 
 def test_smoke_schema_and_task_files_are_copies_of_shipped_entries():
-    from decodelab.constrained import distortion as D
-
-    shipped = {e["name"]: e for e in S.load_schemas()}
-    for entry in S.load_schemas("notebooks/params/masking/smoke_schemas.json"):
+    shipped = {e["name"]: e for e in load_schemas()}
+    for entry in load_schemas("notebooks/params/masking/smoke_schemas.json"):
         assert entry == shipped[entry["name"]]
-    tasks = {t["name"]: t for t in D.load_tasks()}
-    for task in D.load_tasks("notebooks/params/masking/smoke_tasks.json"):
+    tasks = {t["name"]: t for t in load_tasks()}
+    for task in load_tasks("notebooks/params/masking/smoke_tasks.json"):
         assert task == tasks[task["name"]]
 
 
@@ -253,7 +253,7 @@ def test_mask_overhead_is_judged_on_the_mean_fill_with_p50_and_p99_beside_it():
     rows = cost("xgrammar", [1.0] * 99 + [991.0])
     step = {1: [2e-4, 1e-4, 3e-4], 16: [4e-4]}  # the fastest timed step is the reference
     apply = {1: 1e-6, 16: 2e-6}
-    [summary] = S.mask_overhead_summary(rows, step, apply)
+    [summary] = MC.mask_overhead_summary(rows, step, apply)
     assert summary["fills"] == 100 and summary["p50_us"] == 1.0
     assert summary["mean_us"] == pytest.approx(10.9)
     assert summary["p99_us"] == pytest.approx(1.0 + 0.01 * 990)  # linear interpolation between ranks 98 and 99
@@ -261,30 +261,30 @@ def test_mask_overhead_is_judged_on_the_mean_fill_with_p50_and_p99_beside_it():
     assert summary["overhead_b1_p50"] == pytest.approx((1e-6 + 1e-6) / 1e-4)
     assert summary["overhead_b16_mean"] == pytest.approx((16 * 10.9e-6 + 2e-6) / 4e-4)
     assert summary["step_b1_ms"] == pytest.approx(0.1)
-    assert S.overhead_of([summary], "xgrammar", 1) == summary["overhead_b1_mean"]
-    assert S.overhead_of([summary], "llguidance", 1) is None
+    assert MC.overhead_of([summary], "xgrammar", 1) == summary["overhead_b1_mean"]
+    assert MC.overhead_of([summary], "llguidance", 1) is None
 
 
 def test_overhead_goal_fails_on_a_slow_mean_even_when_the_p50_passes():
     rows = cost("xgrammar", [1.0] * 99 + [991.0])
-    summary = S.mask_overhead_summary(rows, {1: [1e-4]}, {1: 0.0})
-    goal = S.overhead_goal(summary, "xgrammar", 1, target=0.05)
+    summary = MC.mask_overhead_summary(rows, {1: [1e-4]}, {1: 0.0})
+    goal = MC.overhead_goal(summary, "xgrammar", 1, target=0.05)
     assert summary[0]["overhead_b1_p50"] <= 0.05 < goal.value
     assert goal.met is False and goal.op == "<=" and "p50" in goal.note and "p99" in goal.note
-    assert S.overhead_goal(summary, "llguidance", 1, target=0.05).met is None  # not measured
+    assert MC.overhead_goal(summary, "llguidance", 1, target=0.05).met is None  # not measured
 
 
 def test_naive_slowdown_compares_the_same_grammar_states_only():
     # naive times only step 0; xgrammar's step 0 costs 10 us and its later steps 1 us.
     rows = cost("naive", [5000.0]) + cost("xgrammar", [10.0] + [1.0] * 9)
-    assert S.naive_slowdown(rows) == pytest.approx(500.0)
-    assert S.naive_slowdown(cost("xgrammar", [1.0])) is None
+    assert MC.naive_slowdown(rows) == pytest.approx(500.0)
+    assert MC.naive_slowdown(cost("xgrammar", [1.0])) is None
 
 
 # ---------------------------------------------------------------- jump-forward summary
 
 def test_jump_forward_summary_credits_each_mode_and_counts_changed_outputs():
-    from decodelab.constrained.jump_forward import jump_forward_summary
+    from decodelab.constrained.jump_forward_study import jump_forward_summary
 
     def row(schema, mode, passes, same):
         return {"schema": schema, "mode": mode, "forward_passes": passes, "new_tokens": 10, "jumped_tokens": 0,
@@ -303,11 +303,11 @@ def test_jump_forward_summary_credits_each_mode_and_counts_changed_outputs():
 
 @pytest.mark.parametrize("profile", ["smoke", "cpu", "gpu"])
 def test_user_schemas_file_on_top_of_a_profile_runs_every_schema_of_that_file(tmp_path, profile):
-    from decodelab.suite import runs
+    from decodelab.suite import runner
 
     path = write_json(tmp_path / "mine.json", [{"name": "p", "schema": {"type": "string"}},
                                                {"name": "q", "schema": {"type": "integer"}}])
-    _, _, merged = runs.prepare("masking", profile, {"schemas_file": str(path)})
-    assert [e["name"] for e in S.load_schemas(merged["schemas_file"], merged["schemas"])] == ["p", "q"]
-    _, _, merged = runs.prepare("masking", profile, {"schemas_file": str(path), "schemas": ["q"]})
-    assert [e["name"] for e in S.load_schemas(merged["schemas_file"], merged["schemas"])] == ["q"]
+    _, _, merged = runner.prepare("masking", profile, {"schemas_file": str(path)})
+    assert [e["name"] for e in load_schemas(merged["schemas_file"], merged["schemas"])] == ["p", "q"]
+    _, _, merged = runner.prepare("masking", profile, {"schemas_file": str(path), "schemas": ["q"]})
+    assert [e["name"] for e in load_schemas(merged["schemas_file"], merged["schemas"])] == ["q"]

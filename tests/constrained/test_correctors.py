@@ -4,6 +4,7 @@ import pytest
 from decodelab.constrained import correctors as K
 from decodelab.constrained import distortion as D
 from decodelab.core.models import resolve_model_path, tiny_model
+from decodelab.workloads.prompts import user_prompt_ids
 
 STRINGS = ["yes", "no", "unsure", "maybe"]
 
@@ -16,7 +17,7 @@ def scored():
     model = tiny_model(seed=5, vocab_size=49152, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                        intermediate_size=64, init_std=0.05)
     trie = D.build_trie(STRINGS, D.token_bytes_table(tok), [tok.eos_token_id])
-    D.score_trie(model, D.chat_prompt(tok, "Answer yes, no, unsure or maybe."), trie)
+    D.score_trie(model, user_prompt_ids(tok, "Answer yes, no, unsure or maybe."), trie)
     exact = D.exact_distributions(trie, {s: tok(s, add_special_tokens=False).input_ids for s in STRINGS})
     return trie, exact
 

@@ -6,10 +6,14 @@ import torch
 
 from decodelab.constrained import decode as C
 from decodelab.constrained import distortion as D
-from decodelab.constrained import masks as M
+from decodelab.constrained.bitmask import allocate_bitmask, bitmask_to_bool
+from decodelab.constrained.constraint import Constraint
+from decodelab.constrained.engines import XGrammarEngine
 from decodelab.core.engine import prefill
 from decodelab.core.models import resolve_model_path, tiny_model
 from decodelab.core.sampling import Sampler, SamplerConfig
+from decodelab.workloads.constrained import load_tasks
+from decodelab.workloads.prompts import user_prompt_ids
 
 STRINGS = ["yes", "no", "unsure", "maybe"]
 
@@ -29,7 +33,7 @@ def tiny49k():
 
 @pytest.fixture(scope="module")
 def scored(tok, tiny49k):
-    prompt = D.chat_prompt(tok, "Answer yes, no, unsure or maybe.")
+    prompt = user_prompt_ids(tok, "Answer yes, no, unsure or maybe.")
     trie = D.build_trie(STRINGS, D.token_bytes_table(tok), [tok.eos_token_id])
     D.score_trie(tiny49k, prompt, trie, chunk_size=7)  # small chunks: ancestors span several forwards
     canonical = {s: tok(s, add_special_tokens=False).input_ids for s in STRINGS}
@@ -64,15 +68,15 @@ def test_exact_distributions_sum_to_one(scored):
 
 def test_trie_children_are_exactly_the_xgrammar_mask(tok, scored):
     _, trie, _ = scored
-    engine = M.XGrammarEngine(tok)
-    compiled = engine.compile(M.Constraint.choices(STRINGS))
+    engine = XGrammarEngine(tok)
+    compiled = engine.compile(Constraint.choices(STRINGS))
     for node in range(len(trie)):
         matcher = engine.matcher(compiled)
         for token in trie.path(node):
             assert matcher.accept(token)
-        bitmask = M.allocate_bitmask(1, engine.vocab_size)
+        bitmask = allocate_bitmask(1, engine.vocab_size)
         matcher.fill(bitmask, 0)
-        allowed = set(M.bitmask_to_bool(bitmask, engine.vocab_size)[0].nonzero().flatten().tolist())
+        allowed = set(bitmask_to_bool(bitmask, engine.vocab_size)[0].nonzero().flatten().tolist())
         expected = set(trie.children[node]) | ({tok.eos_token_id} if trie.complete[node] else set())
         assert allowed == expected, f"node {node} path {trie.path(node)}"
 
@@ -80,7 +84,7 @@ def test_trie_children_are_exactly_the_xgrammar_mask(tok, scored):
 def test_masked_sampling_frequencies_match_exact_masked_distribution(tok, tiny49k, scored):
     prompt, _, exact = scored
     n = 600
-    res = C.generate(tiny49k, [prompt] * n, M.Constraint.choices(STRINGS), M.XGrammarEngine(tok),
+    res = C.generate(tiny49k, [prompt] * n, Constraint.choices(STRINGS), XGrammarEngine(tok),
                      max_new_tokens=8, sampler=Sampler(SamplerConfig(temperature=1.0)),
                      generator=torch.Generator().manual_seed(0), tokenizer=tok)
     assert all(res.valid)
@@ -109,12 +113,12 @@ def test_unknown_task_name_error_names_the_value_and_the_files_tasks(tmp_path):
 
     path = tmp_path / "tasks.json"
     path.write_text(json.dumps([{"name": "t", "question": "?", "strings": ["a"]}]), encoding="utf-8")
-    assert [t["name"] for t in D.load_tasks(path)] == ["t"]  # a user file is used whole
+    assert [t["name"] for t in load_tasks(path)] == ["t"]  # a user file is used whole
     with pytest.raises(ValueError) as error:
-        D.load_tasks(path, ["yes_no"])
+        load_tasks(path, ["yes_no"])
     assert "yes_no" in str(error.value) and "['t']" in str(error.value) and "tasks.json" in str(error.value)
     with pytest.raises(ValueError, match="tasks="):
-        D.load_tasks(path, [])
+        load_tasks(path, [])
 
 
 def test_too_many_tokenizations_raise_clear_error(tok):

@@ -42,12 +42,12 @@ def test_verify_step_equals_sequential_decode_steps(tiny):
     assert torch.equal(cache_a.lengths, cache_b.lengths)
 
 
-def test_crop_rolls_a_row_back_exactly(tiny):
+def test_truncate_rolls_a_row_back_exactly(tiny):
     cache, _ = prefill(tiny, PROMPTS, max_new_tokens=8)
     start = cache.lengths.clone()
     expected = decode_step(tiny, cache, torch.tensor([7, 7, 7, 7]))
     verify_step(tiny, cache, torch.tensor([[1, 2, 3]] * 4))  # drafts that get rejected
-    cache.crop(start)
+    cache.truncate(start)
     again = decode_step(tiny, cache, torch.tensor([7, 7, 7, 7]))
     torch.testing.assert_close(again, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache.lengths, start + 1)
@@ -58,7 +58,7 @@ def test_rows_roll_back_independently(tiny):
     start = cache.lengths.clone()
     verify_step(tiny, cache, torch.tensor([[1, 2, 3]] * 4))
     keep = torch.tensor([0, 1, 2, 3])  # row r keeps r of the 3 drafts
-    cache.crop(start + keep)
+    cache.truncate(start + keep)
     logits = decode_step(tiny, cache, torch.tensor([50, 50, 50, 50]))
     for row, prompt in enumerate(PROMPTS):
         _, alone = prefill(tiny, [prompt + [1, 2, 3][: int(keep[row])] + [50]], max_new_tokens=1)

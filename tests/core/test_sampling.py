@@ -371,3 +371,13 @@ def test_argmax_rows_equals_torch_argmax_including_ties():
     logits[3, [5, 700]] = 100.0  # a tie: the first index wins in both
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
     assert argmax_rows(logits)[3] == 5 and argmax_rows(logits).dtype == torch.long
+
+
+def test_filters_live_in_core_filters_and_stay_importable_from_sampling():
+    from decodelab.core import filters, sampling
+
+    for name in ("apply_temperature", "top_k_filter", "top_p_filter", "min_p_filter", "typical_filter",
+                 "epsilon_filter", "eta_filter", "top_k_threshold", "top_p_threshold", "min_p_threshold",
+                 "epsilon_threshold", "eta_threshold", "sort_values", "NEG_INF"):
+        assert getattr(sampling, name) is getattr(filters, name)
+    assert set(sampling.__all__) >= {"Sampler", "SamplerConfig", "argmax_rows", "sample_inverse_cdf", "draw_uniforms"}

@@ -147,13 +147,13 @@ def test_shared_cache_holds_each_prompt_once(tiny):
     assert cache.lengths.tolist() == [len(p) + 1 for p in prompts for _ in range(4)]
 
 
-def test_shared_cache_refuses_to_crop_into_the_prompt(tiny):
+def test_shared_cache_refuses_to_truncate_into_the_prompt(tiny):
     from decodelab.core import engine
 
     prefix_cache, _ = engine.prefill(tiny, _prompts(), max_new_tokens=0)
     cache = SharedPrefixKVCache.fork(prefix_cache, [1, 1, 1], max_new_tokens=4)
     with pytest.raises(ValueError, match="prompt"):
-        cache.crop(cache.lengths - 1)
+        cache.truncate(cache.lengths - 1)
 
 
 def test_shared_cache_overflow_is_an_error(tiny):

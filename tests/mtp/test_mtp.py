@@ -6,7 +6,10 @@ import torch.nn.functional as F
 from decodelab.core import engine
 from decodelab.core.models import tiny_model
 from decodelab.core.transformer import Transformer
+from decodelab.mtp import checkpoint as mtp_checkpoint
+from decodelab.mtp import cost as mtp_cost
 from decodelab.mtp import drafter as mtp_drafter
+from decodelab.mtp import experiment as mtp_experiment
 from decodelab.mtp import model as mtp
 from decodelab.mtp import self_speculation
 from decodelab.mtp import train as mtp_train
@@ -15,7 +18,7 @@ VOCAB = 97
 
 
 def small(style="gloeckle", n_heads=2, seed=0, n_layers=2, peaked=False):
-    model = mtp_train.build_model(vocab_size=VOCAB, d_model=32, n_layers=n_layers, n_heads=n_heads, style=style,
+    model = mtp.build_model(vocab_size=VOCAB, d_model=32, n_layers=n_layers, n_heads=n_heads, style=style,
                                   match_params=False, seed=seed)
     if peaked:  # sharper distributions so greedy decoding is not one repeated token
         with torch.no_grad():
@@ -193,7 +196,7 @@ def test_checkpoint_round_trip_gives_identical_proposals(tmp_path, retrofit):
     else:
         model = small("gloeckle", n_heads=3)
     mtp_train.train(model, patterned_blocks(), mtp_train.TrainConfig(steps=2, batch_size=4))
-    mtp_train.save_checkpoint(model, tmp_path, extra={"retrofit_model": "tiny"} if retrofit else None)
+    mtp_checkpoint.save_checkpoint(model, tmp_path, retrofit_model="tiny" if retrofit else None)
     drafter = mtp_drafter.load_mtp_drafter(tmp_path, trunk=frozen if retrofit else None)
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
     outputs = []
@@ -222,10 +225,10 @@ def test_invalid_parameters_name_the_value():
 
 def test_sequential_backward_peak_memory_below_joint():
     # Large vocabulary, tiny width: the (B, T, V) logits dominate, so joint keeps n of them alive.
-    model = mtp_train.build_model(vocab_size=4096, d_model=32, n_layers=1, n_heads=4, match_params=False)
+    model = mtp.build_model(vocab_size=4096, d_model=32, n_layers=1, n_heads=4, match_params=False)
     tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
-    seq = mtp_train.measure_step(model, tokens, backward="sequential", repeats=1)
-    joint = mtp_train.measure_step(model, tokens, backward="joint", repeats=1)
+    seq = mtp_cost.measure_step(model, tokens, backward="sequential", repeats=1)
+    joint = mtp_cost.measure_step(model, tokens, backward="joint", repeats=1)
     logits_bytes = 2 * 64 * 4096 * 4
     assert joint["peak_bytes"] - seq["peak_bytes"] > 2 * logits_bytes
 
@@ -254,10 +257,10 @@ def test_identity_init_retrofit_head_starts_as_the_models_own_next_token_guess(s
 
 
 def test_experiment_grid_sweeps_gloeckle_and_compares_styles_at_style_heads():
-    grid = mtp_train.experiment_grid([1, 2, 4], ["gloeckle", "deepseek"], 2)
+    grid = mtp_experiment.experiment_grid([1, 2, 4], ["gloeckle", "deepseek"], 2)
     assert grid == [("gloeckle", 1), ("gloeckle", 2), ("gloeckle", 4), ("deepseek", 2)]
     with pytest.raises(ValueError, match="mtp_style='eagle'"):
-        mtp_train.experiment_grid([1], ["eagle"])
+        mtp_experiment.experiment_grid([1], ["eagle"])
 
 
 @pytest.mark.slow
@@ -295,20 +298,20 @@ def test_drafter_without_hidden_states_names_what_the_context_lacked():
 
 @pytest.mark.parametrize("style", mtp.STYLES)
 def test_one_head_loss_diff_is_exactly_zero(style):
-    assert mtp_train.one_head_loss_diff(small(style, n_heads=1), batch()) == 0.0
+    assert mtp_cost.one_head_loss_diff(small(style, n_heads=1), batch()) == 0.0
 
 
 def test_one_head_loss_diff_refuses_a_multi_head_model():
     with pytest.raises(ValueError, match="n_heads=2"):
-        mtp_train.one_head_loss_diff(small(n_heads=2), batch())
+        mtp_cost.one_head_loss_diff(small(n_heads=2), batch())
 
 
 def test_grad_check_is_float32_noise_for_a_correct_backward():
-    assert 0.0 <= mtp_train.grad_check(small("gloeckle", n_heads=3), batch()) <= 1e-5
+    assert 0.0 <= mtp_cost.grad_check(small("gloeckle", n_heads=3), batch()) <= 1e-5
 
 
 def test_grad_check_reports_the_difference_when_the_sequential_backward_is_broken(monkeypatch):
-    real = mtp_train.mtp_loss
+    real = mtp_cost.mtp_loss
 
     def broken(model, tokens, *, backward="sequential", hidden=None):  # sequential grads 1.5x too large
         out = real(model, tokens, backward=backward, hidden=hidden)
@@ -318,14 +321,14 @@ def test_grad_check_reports_the_difference_when_the_sequential_backward_is_broke
                     p.grad.mul_(1.5)
         return out
 
-    monkeypatch.setattr(mtp_train, "mtp_loss", broken)
+    monkeypatch.setattr(mtp_cost, "mtp_loss", broken)
     model = small("gloeckle", n_heads=3)
-    assert mtp_train.grad_check(model, batch()) > 1e-3
+    assert mtp_cost.grad_check(model, batch()) > 1e-3
 
 
 def test_training_cost_reports_fastest_interleaved_steps_and_exactness_checks():
-    cost = mtp_train.training_cost(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=2,
-                                   repeats=2)
+    cost = mtp_cost.training_cost(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=2,
+                                  repeats=2)
     assert [(r["n_heads"], r["backward"]) for r in cost["rows"]] == [(1, "sequential"), (2, "sequential"), (2, "joint")]
     assert all(r["step_s"] <= r["step_s_max"] and r["repeats"] == 2 for r in cost["rows"])
     base, seq, joint = cost["rows"]
@@ -338,7 +341,7 @@ def test_training_cost_reports_fastest_interleaved_steps_and_exactness_checks():
 
 def test_self_spec_benchmark_counts_identical_rows_and_keeps_fastest_runs():
     model = small("gloeckle", n_heads=3, peaked=True)
-    rows = mtp_train.self_spec_benchmark(model, [[1, 5, 7, 9, 3], [4, 4, 2]], [1, 3], max_new_tokens=8, repeats=2)
+    rows = mtp_cost.self_spec_benchmark(model, [[1, 5, 7, 9, 3], [4, 4, 2]], [1, 3], max_new_tokens=8, repeats=2)
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:
         assert r["greedy_match"] is True and r["rows_identical"] == r["batch"]

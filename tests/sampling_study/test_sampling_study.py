@@ -3,15 +3,15 @@ quality read off Pareto frontiers at matched diversity."""
 import numpy as np
 import pytest
 
-from decodelab.sampling_study import grid as sampling_study
-from decodelab.sampling_study import verdicts
+from decodelab.common.seeding import row_seed
+from decodelab.sampling_study import grid, tables, verdicts, writing
 from decodelab.workloads import tasks
 
 
 def test_cross_fit_best_scores_each_fold_with_the_other_folds_choice():
     # setting 0 is best on every unit except unit 0: the choice never depends on the unit it scores
     matrix = np.array([[0.0, 1, 1, 1], [1.0, 0, 0, 0]])
-    values, chosen = sampling_study.cross_fit_best(matrix, seed=0)
+    values, chosen = tables.cross_fit_best(matrix, seed=0)
     assert chosen == [0, 0]
     assert values.tolist() == [0.0, 1.0, 1.0, 1.0]
 
@@ -25,7 +25,7 @@ def test_matched_quality_diff_reads_both_frontiers_at_the_same_diversity():
         settings = [("a", 0.2, 1.0), ("a", 0.6, 1.0), ("b", 0.1, 0.8), ("b", 0.7, 0.8)]
         for setting, (name, x, offset) in enumerate(settings):
             rows.append(dict(setting=setting, sampler=name, unit=unit, x=x, q=offset - x))
-    d = sampling_study.matched_quality_diff(pd.DataFrame(rows), "a", "b", "x", "q", 0.4, n_boot=50)
+    d = writing.matched_quality_diff(pd.DataFrame(rows), "a", "b", "x", "q", 0.4, n_boot=50)
     assert d["difference"] == pytest.approx(0.2)
     assert d["ci_low"] == pytest.approx(0.2) and d["ci_high"] == pytest.approx(0.2)
 
@@ -35,30 +35,30 @@ def test_matched_quality_diff_reads_both_frontiers_at_the_same_diversity():
 
 def test_sampler_grid_enforces_equal_tuning_budget():
     with pytest.raises(ValueError, match="same number of settings"):
-        sampling_study.sampler_grid({"top_p": [0.9, 0.95], "min_p": [0.1]}, [1.0])
+        grid.sampler_grid({"top_p": [0.9, 0.95], "min_p": [0.1]}, [1.0])
     with pytest.raises(ValueError, match="unknown names"):
-        sampling_study.sampler_grid({"nucleus": [0.9]}, [1.0])
-    grid = sampling_study.sampler_grid({"top_p": [0.9, 0.95], "min_p": [0.05, 0.1]}, [1.0, 2.0])
-    assert sum(s.sampler == "top_p" for s in grid) == sum(s.sampler == "min_p" for s in grid) == 4
-    assert [s.sampler for s in grid].count("greedy") == 1 and [s.sampler for s in grid].count("temperature") == 2
-    assert len(set(grid)) == len(grid)
+        grid.sampler_grid({"nucleus": [0.9]}, [1.0])
+    cells = grid.sampler_grid({"top_p": [0.9, 0.95], "min_p": [0.05, 0.1]}, [1.0, 2.0])
+    assert sum(s.sampler == "top_p" for s in cells) == sum(s.sampler == "min_p" for s in cells) == 4
+    assert [s.sampler for s in cells].count("greedy") == 1 and [s.sampler for s in cells].count("temperature") == 2
+    assert len(set(cells)) == len(cells)
 
 
 def test_setting_configs_set_one_knob_and_temperature():
-    s = sampling_study.Setting("min_p", 0.1, 1.5)
+    s = grid.Setting("min_p", 0.1, 1.5)
     assert (s.config.min_p, s.config.temperature, s.config.top_p) == (0.1, 1.5, 1.0)
-    assert sampling_study.Setting("top_k", 20.0, 1.0).config.top_k == 20
-    assert sampling_study.Setting("greedy", None, 0.0).config.is_greedy
+    assert grid.Setting("top_k", 20.0, 1.0).config.top_k == 20
+    assert grid.Setting("greedy", None, 0.0).config.is_greedy
 
 
 def test_run_grid_pairs_generator_streams_across_settings(tiny):
     """top_k = V keeps every token, so it samples exactly what plain temperature sampling does: with the
     same per-(unit, sample) generator streams the tokens must be identical row for row."""
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
-    settings = [sampling_study.Setting("temperature", None, 1.0), sampling_study.Setting("top_k", 256.0, 1.0),
-                sampling_study.Setting("min_p", 0.3, 1.0)]
-    frame, _ = sampling_study.run_grid(tiny, prompts, settings, n_samples=3, max_new_tokens=6, batch_size=5,
-                                       progress=False)
+    settings = [grid.Setting("temperature", None, 1.0), grid.Setting("top_k", 256.0, 1.0),
+                grid.Setting("min_p", 0.3, 1.0)]
+    frame, _ = grid.run_grid(tiny, prompts, settings, n_samples=3, max_new_tokens=6, batch_size=5,
+                             progress=False)
     plain = frame[frame.sampler == "temperature"].tokens.tolist()
     assert plain == frame[frame.sampler == "top_k"].tokens.tolist()
     assert len({tuple(t) for t in plain}) > 1  # and the samples do differ from each other
@@ -71,10 +71,10 @@ def test_run_grid_matches_engine_generate_row_for_row(tiny):
     from decodelab.core.sampling import Sampler
 
     prompts = [[5, 6, 7], [8, 9]]
-    settings = [sampling_study.Setting("top_p", 0.8, 1.3), sampling_study.Setting("greedy", None, 0.0)]
-    frame, _ = sampling_study.run_grid(tiny, prompts, settings, n_samples=2, max_new_tokens=5, seed=3, progress=False)
+    settings = [grid.Setting("top_p", 0.8, 1.3), grid.Setting("greedy", None, 0.0)]
+    frame, _ = grid.run_grid(tiny, prompts, settings, n_samples=2, max_new_tokens=5, seed=3, progress=False)
     for row in frame.itertuples():
-        gen = torch.Generator().manual_seed(sampling_study.row_seed(3, row.unit, row.sample))
+        gen = torch.Generator().manual_seed(row_seed(3, row.unit, row.sample))
         ref = generate(tiny, [prompts[row.unit]], max_new_tokens=5, sampler=Sampler([settings[row.setting].config]),
                        generator=[gen])
         assert row.tokens == ref.tokens[0]
@@ -82,10 +82,10 @@ def test_run_grid_matches_engine_generate_row_for_row(tiny):
 
 
 def test_order_grid_pairs_each_setting_in_both_orders():
-    grid = sampling_study.order_grid({"top_p": 0.9, "min_p": 0.1}, [1.5, 3.0])
-    assert len(grid) == 8
-    assert {s.order_name for s in grid} == {"hf", "truncate_first"}
-    truncate_first = sampling_study.Setting("min_p", 0.1, 2.0, sampling_study.TRUNCATE_FIRST)
+    cells = grid.order_grid({"top_p": 0.9, "min_p": 0.1}, [1.5, 3.0])
+    assert len(cells) == 8
+    assert {s.order_name for s in cells} == {"hf", "truncate_first"}
+    truncate_first = grid.Setting("min_p", 0.1, 2.0, grid.TRUNCATE_FIRST)
     assert truncate_first.label == "min_p=0.1,T=2,truncate_first"
 
 
@@ -94,9 +94,9 @@ def test_embedded_model_ends_with_the_answer_format(smol):
     """The one-shot prompt keeps SmolLM2-135M-Instruct on "The answer is N." (greedy, easy problems)."""
     problems = tasks.make_arithmetic(4, seed=0, difficulty=1)
     prompts = [tasks.arithmetic_prompt(p, smol.tokenizer) for p in problems]
-    frame, _ = sampling_study.run_grid(smol, prompts, [sampling_study.Setting("greedy", None, 0.0)], max_new_tokens=40,
-                                       progress=False)
-    frame = sampling_study.score_arithmetic(frame, problems, smol.tokenizer)
+    frame, _ = grid.run_grid(smol, prompts, [grid.Setting("greedy", None, 0.0)], max_new_tokens=40,
+                             progress=False)
+    frame = grid.score_arithmetic(frame, problems, smol.tokenizer)
     assert sum("The answer is" in t for t in frame.text) >= 3, list(frame.text)
     assert frame.pred.notna().all()
 
@@ -174,38 +174,38 @@ def test_claim_from_diff_takes_its_mdd_from_the_interval():
 
 
 def test_units_per_setting_runs_main_settings_on_every_unit():
-    grid = sampling_study.sampler_grid({"top_p": [0.9], "min_p": [0.1]}, [1.0, 2.0])
-    grid += sampling_study.order_grid({"min_p": 0.1}, [2.0])[1:]  # the truncate-first copy
-    counts = dict(zip(grid, sampling_study.units_per_setting(grid, [2.0], 10, 4)))
+    cells = grid.sampler_grid({"top_p": [0.9], "min_p": [0.1]}, [1.0, 2.0])
+    cells += grid.order_grid({"min_p": 0.1}, [2.0])[1:]  # the truncate-first copy
+    counts = dict(zip(cells, grid.units_per_setting(cells, [2.0], 10, 4)))
     assert {s.label: n for s, n in counts.items() if n == 10} == {
         "top_p=0.9,T=2": 10, "min_p=0.1,T=2": 10, "greedy": 10}
     with pytest.raises(ValueError, match="main_temperatures"):
-        sampling_study.units_per_setting(grid, [1.5], 10, 4)
+        grid.units_per_setting(cells, [1.5], 10, 4)
 
 
 def test_run_grid_runs_each_setting_on_its_leading_units(tiny):
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
-    settings = [sampling_study.Setting("min_p", 0.2, 1.0), sampling_study.Setting("greedy", None, 0.0)]
-    frame, _ = sampling_study.run_grid(tiny, prompts, settings, n_samples=2, max_new_tokens=4, n_units=[1, 3],
-                                       progress=False)
+    settings = [grid.Setting("min_p", 0.2, 1.0), grid.Setting("greedy", None, 0.0)]
+    frame, _ = grid.run_grid(tiny, prompts, settings, n_samples=2, max_new_tokens=4, n_units=[1, 3],
+                             progress=False)
     assert sorted(frame[frame.sampler == "min_p"].unit) == [0, 0]
     assert sorted(frame[frame.sampler == "greedy"].unit) == [0, 1, 2]
     with pytest.raises(ValueError, match="n_units"):
-        sampling_study.run_grid(tiny, prompts, settings, n_units=[4, 1], progress=False)
+        grid.run_grid(tiny, prompts, settings, n_units=[4, 1], progress=False)
 
 
 def test_check_settings_reproduce_their_references_row_for_row(tiny):
     """top_p=1 is plain temperature sampling on the same uniforms; min_p=1 keeps only the argmax."""
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
-    pairs = sampling_study.check_settings([1.0, 2.5])
+    pairs = grid.check_settings([1.0, 2.5])
     settings = [s for pair in pairs for s in pair]
-    frame, _ = sampling_study.run_grid(tiny, prompts, settings, n_samples=3, max_new_tokens=6, batch_size=5,
-                                       progress=False)
+    frame, _ = grid.run_grid(tiny, prompts, settings, n_samples=3, max_new_tokens=6, batch_size=5,
+                             progress=False)
     for check, reference in pairs:
-        result = sampling_study.identical_rows(frame, check, reference)
+        result = grid.identical_rows(frame, check, reference)
         assert result["fraction_identical"] == 1.0 and result["n_rows"] == 6
     # and the comparison can fail: min_p=1 is not plain temperature sampling
-    other = sampling_study.identical_rows(frame, pairs[1][0], pairs[0][1])
+    other = grid.identical_rows(frame, pairs[1][0], pairs[0][1])
     assert other["fraction_identical"] < 1.0
 
 
@@ -215,15 +215,15 @@ def test_tuned_per_unit_pairs_on_units_and_rejects_uneven_grids():
     rows = [dict(setting=s, sampler="min_p", param=p, temperature=1.0, order="hf", unit=u, sample=0,
                  correct=float(u % 2))
             for s, p in enumerate((0.05, 0.1)) for u in range(4)]
-    tuned = sampling_study.tuned_per_unit(pd.DataFrame(rows), "correct")
+    tuned = tables.tuned_per_unit(pd.DataFrame(rows), "correct")
     values, chosen = tuned[("min_p", 1.0, "hf")]
     assert list(values.index) == [0, 1, 2, 3] and len(chosen) == 2
     uneven = pd.DataFrame(rows[:-1])  # setting 1 lacks unit 3
     with pytest.raises(ValueError, match="different units"):
-        sampling_study.tuned_per_unit(uneven, "correct")
+        tables.tuned_per_unit(uneven, "correct")
 
 
 def test_setting_key_is_how_verdicts_find_settings():
-    s = sampling_study.Setting("min_p", 0.1, 2.0, sampling_study.TRUNCATE_FIRST)
-    assert s.key == sampling_study.setting_key("min_p", 0.1, 2, "truncate_first")
-    assert sampling_study.Setting("greedy", None, 0.0).key == ("greedy", None, 0.0, "hf")
+    s = grid.Setting("min_p", 0.1, 2.0, grid.TRUNCATE_FIRST)
+    assert s.key == grid.setting_key("min_p", 0.1, 2, "truncate_first")
+    assert grid.Setting("greedy", None, 0.0).key == ("greedy", None, 0.0, "hf")

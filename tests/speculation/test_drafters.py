@@ -1,17 +1,10 @@
-"""Drafters: prompt lookup, layer-skip self-drafting, draft models."""
+"""Drafters: prompt lookup, layer-skip self-drafting, draft models (and where the draft model comes from)."""
 import pytest
 import torch
 
 from decodelab.core import engine
-from decodelab.speculation.drafters import (
-    DraftContext,
-    Drafter,
-    LayerSkipDrafter,
-    ModelDrafter,
-    NGramDrafter,
-    check_same_tokenizer,
-    truncated_model,
-)
+from decodelab.speculation.draft_models import check_same_tokenizer, truncated_model
+from decodelab.speculation.drafters import DraftContext, Drafter, LayerSkipDrafter, ModelDrafter, NGramDrafter
 
 
 def test_ngram_proposes_what_followed_the_latest_occurrence():
@@ -107,3 +100,47 @@ def test_sampled_drafts_take_each_rows_uniforms_from_its_own_generator(tiny):
     base, other = drafts([1, 2]), drafts([1, 3])
     assert torch.equal(base[0], other[0])  # row 0 reads generator 0 only
     assert torch.equal(drafts([2, 2])[0], base[1])  # identical rows with identical generators draft alike
+
+
+def test_draft_inverse_cdf_walks_token_ids_in_order_unlike_the_samplers_ranked_draw():
+    from decodelab.core.sampling import sample_inverse_cdf
+    from decodelab.speculation.verify import inverse_cdf
+
+    probs = torch.tensor([[0.1, 0.2, 0.7], [0.5, 0.0, 0.5]])
+    u = torch.tensor([0.25, 0.5])
+    # smallest id whose cumulative mass (in id order) exceeds u * total: 0.1, 0.3 > 0.25 -> 1; 0.5, 0.5, 1.0 > 0.5 -> 2
+    assert inverse_cdf(probs, u).tolist() == [1, 2]
+    assert inverse_cdf(probs, torch.tensor([0.0, 0.0])).tolist() == [0, 0]
+    # core.sampling's draw ranks tokens by probability and reads 1 - u: the same uniforms pick other tokens, so
+    # the drafters and the verifier keep verify.inverse_cdf (merging would change every sampled speculative run)
+    ranked = sample_inverse_cdf(probs.log(), torch.tensor([0.0, 0.0]))
+    assert ranked.tolist()[0] == 2 and not torch.equal(ranked, inverse_cdf(probs, torch.tensor([0.0, 0.0])))
+
+
+def test_make_drafter_fills_in_the_notebooks_defaults(tiny):
+    from decodelab.speculation.draft_models import default_draft_layers, draft_model_for
+    from decodelab.speculation.drafters import default_skip_layers, make_drafter
+
+    n = tiny.transformer.n_layers
+    assert default_skip_layers(12) == [0, 1, 2, 3, 5, 6, 7, 9, 10, 11]  # all but the layers at 1/3 and 2/3 depth
+    assert make_drafter("layer_skip", tiny).layers == default_skip_layers(n)
+    assert make_drafter("layer_skip", tiny, layers=None).layers == default_skip_layers(n)
+    assert make_drafter("layer_skip", tiny, layers=[0]).layers == [0]
+    assert default_draft_layers(30) == 10 and default_draft_layers(2) == 1
+    d = make_drafter("draft_model", tiny)
+    assert d.tr.n_layers == default_draft_layers(n) and d.model.name == f"{tiny.name}-first{default_draft_layers(n)}"
+    assert make_drafter("draft_model", tiny, draft_layers=2).tr.n_layers == 2
+    assert draft_model_for(tiny, name=None, n_layers=None).transformer.n_layers == default_draft_layers(n)
+    shared = truncated_model(tiny, 1)
+    assert make_drafter("draft_model", tiny, draft=shared, draft_layers=2).model is shared
+    assert make_drafter("ngram", tiny, max_ngram=2, other=1).max_ngram == 2
+
+
+def test_draft_cache_rolls_back_rejected_drafts_and_keeps_accepted_ones(tiny):
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    d = LayerSkipDrafter(tiny, [0, 1])
+    d.begin(prompts, max_len=32)
+    d.propose(DraftContext(tokens=[p + [11] for p in prompts]), 4)  # feeds the pending token, drafts 3 more
+    assert d.cache.lengths.tolist() == [5 + 3, 4 + 3]
+    d.rollback(torch.tensor([1, 4]))  # row 0 keeps 1 draft, row 1 all 4 (the 4th was never fed)
+    assert d.cache.lengths.tolist() == [5 + 1, 4 + 3]

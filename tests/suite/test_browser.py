@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from test_report import PNG_MAGIC, make_fake_results
 
-from decodelab.suite import report, runs
+from decodelab.suite import records, registry, report, runner
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -196,7 +196,7 @@ def test_report_renders_offline_with_every_image_loaded(browser, tmp_path):
     load(browser, index.as_uri())
     assert len(assert_images_load(browser)) == 5
     text = browser.evaluate("document.body.innerText")
-    for question in report.QUESTIONS.values():
+    for question in registry.NOTEBOOKS.values():
         assert question.question in text
     assert "decodelab run masking --profile cpu" in text
 
@@ -221,13 +221,13 @@ SECTIONS_JS = """Array.from(document.querySelectorAll('main > section')).map(s =
 def test_report_from_smoke_runs_answers_every_question_offline(browser, smoke_runs, tmp_path):
     """The real report over every notebook's smoke run: each section has its answer and goal table,
     every image decodes, nothing is fetched, the console stays clean."""
-    names = [n for n in report.QUESTIONS if (runs.notebooks_dir() / runs.NOTEBOOKS[n]).is_file()]
-    assert names, f"no notebook files under {runs.notebooks_dir()}"
+    names = [n for n in registry.NOTEBOOKS if (records.notebooks_dir() / registry.NOTEBOOKS[n].file).is_file()]
+    assert names, f"no notebook files under {records.notebooks_dir()}"
     failed = {}
     for name in names:
         try:
             smoke_runs(name)
-        except runs.RunFailed as error:
+        except runner.RunFailed as error:
             failed[name] = str(error).splitlines()[0]
     assert failed == {}, f"smoke runs failed, so the report cannot show them: {failed}"
     index = report.build_report(root=smoke_runs.root, out_dir=tmp_path / "report")

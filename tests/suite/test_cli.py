@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from decodelab.suite import cli, profiles, runs
+from decodelab.suite import cli, profiles, registry, runner
 
 PARAMETERS = """\
 x = 1  # an integer
@@ -43,7 +43,7 @@ def tiny(tmp_path, monkeypatch):
     (notebooks / "params" / "tiny" / "cpu.yaml").write_text("x: 3\n")
     monkeypatch.setenv("DECODELAB_NOTEBOOKS", str(notebooks))
     monkeypatch.setenv("DECODELAB_RESULTS", str(tmp_path / "results"))
-    monkeypatch.setitem(runs.NOTEBOOKS, "tiny", "tiny.ipynb")
+    monkeypatch.setitem(registry.NOTEBOOKS, "tiny", registry.Notebook("tiny", "tiny.ipynb", "tiny", "?", ()))
     return tmp_path / "results"
 
 
@@ -114,18 +114,16 @@ def test_failed_run_keeps_files_exits_nonzero_and_prints_cell_error(tiny, capsys
 
 def test_bench_report_findings_delegate_with_their_arguments(monkeypatch):
     calls = []
-    bench = types.SimpleNamespace(main=lambda argv: calls.append(("bench", argv)) or 0)
-    report = types.SimpleNamespace(
-        main=lambda argv: calls.append(("report", argv)) or 0,
-        findings_main=lambda argv: calls.append(("findings", argv)) or 0,
-    )
-    for package, name, module in (("quickstart", "bench", bench), ("suite", "report", report)):
-        monkeypatch.setitem(sys.modules, f"decodelab.{package}.{name}", module)
-        monkeypatch.setattr(importlib.import_module(f"decodelab.{package}"), name, module, raising=False)
+    fakes = {name: types.SimpleNamespace(main=lambda argv, name=name: calls.append((name, argv)) or 0)
+             for name in ("bench_cli", "report", "findings")}
+    for name, module in fakes.items():
+        monkeypatch.setitem(sys.modules, f"decodelab.suite.{name}", module)
+        monkeypatch.setattr(importlib.import_module("decodelab.suite"), name, module, raising=False)
     assert cli.main(["bench", "decode", "--batch-sizes", "1", "4"]) == 0
     assert cli.main(["report", "--hide-code"]) == 0
     assert cli.main(["findings"]) == 0
-    assert calls == [("bench", ["decode", "--batch-sizes", "1", "4"]), ("report", ["--hide-code"]), ("findings", [])]
+    assert calls == [("bench_cli", ["decode", "--batch-sizes", "1", "4"]), ("report", ["--hide-code"]),
+                     ("findings", [])]
 
 
 def test_help_names_every_command(capsys):
@@ -151,15 +149,15 @@ def test_interrupted_run_prints_signal_cell_and_folder_and_exits_128_plus_signal
     cell = {"index": 11, "of": 25, "execution_count": 9, "first_line": "study = run_study(...)"}
 
     def interrupted(*args, **kwargs):
-        raise runs.RunInterrupted(signal.SIGTERM, tiny / "tiny" / "run-1", cell)
+        raise runner.RunInterrupted(signal.SIGTERM, tiny / "tiny" / "run-1", cell)
 
-    monkeypatch.setattr(runs, "execute", interrupted)
+    monkeypatch.setattr(runner, "execute", interrupted)
     assert cli.main(["run", "tiny", "--profile", "smoke"]) == 143
     assert capsys.readouterr().err == (
         "decodelab run: interrupted by SIGTERM in cell 11 of 25 [9] `study = run_study(...)`; "
         f"the run directory keeps what it wrote: {tiny / 'tiny' / 'run-1'}\n"
     )
-    assert runs.RunInterrupted(signal.SIGINT).exit_code == 130
+    assert runner.RunInterrupted(signal.SIGINT).exit_code == 130
 
 
 def test_list_runs_without_results_says_none(tmp_path, monkeypatch, capsys):

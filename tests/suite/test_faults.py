@@ -17,7 +17,7 @@ from datetime import datetime
 
 import pytest
 
-from decodelab.suite import cli, provenance, runs
+from decodelab.suite import cli, provenance, records, runner
 
 PARAMETERS = """\
 seconds = 60  # how long the slow cell sleeps [allowed: x >= 0]
@@ -88,7 +88,7 @@ def assert_interrupted(returncode, err, results, signum, code):
     assert returncode == code, err
     run_dir, env = only_run(results)
     name = signal.Signals(signum).name
-    assert env["status"] == "interrupted" and runs.effective_status(env) == "interrupted"
+    assert env["status"] == "interrupted" and records.effective_status(env) == "interrupted"
     assert env["interrupted"]["signal"] == name and env["interrupted"]["time"] and env["finished"]
     assert env["last_cell"]["index"] == SLOW_INDEX and env["last_cell"]["first_line"] == "import time"
     # every file kept: the metrics the earlier cell wrote, the params, the notebook up to the slow cell
@@ -122,7 +122,7 @@ def test_dead_kernel_is_reported_as_kernel_died_with_its_cell(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert f"the kernel died in cell {SLOW_INDEX} of 6" in err and "out of memory" in err
     run_dir, env = only_run(tmp_path / "results")
-    assert env["status"] == "failed" and runs.effective_status(env) == "failed"
+    assert env["status"] == "failed" and records.effective_status(env) == "failed"
     assert env["error"]["kind"] == "kernel died" and env["error"]["cell_index"] == SLOW_INDEX
     assert env["error"]["ename"] == "DeadKernelError"
     assert env["last_cell"]["first_line"] == "import os, signal"
@@ -156,12 +156,12 @@ def running_env(pid, *, hostname=None, start_ticks=None):
 
 
 def test_running_run_whose_process_is_gone_reads_interrupted():
-    assert runs.effective_status(running_env(gone_pid())) == "interrupted (process gone)"
+    assert records.effective_status(running_env(gone_pid())) == "interrupted (process gone)"
 
 
 def test_running_run_whose_process_lives_reads_running():
     me = os.getpid()
-    assert runs.effective_status(running_env(me, start_ticks=provenance.process_start_ticks(me))) == "running"
+    assert records.effective_status(running_env(me, start_ticks=provenance.process_start_ticks(me))) == "running"
 
 
 def test_reused_pid_counts_as_gone():
@@ -169,23 +169,23 @@ def test_reused_pid_counts_as_gone():
     ticks = provenance.process_start_ticks(me)
     if ticks is None:
         pytest.skip("no /proc/<pid>/stat here")
-    assert runs.effective_status(running_env(me, start_ticks=ticks - 1)) == "interrupted (process gone)"
+    assert records.effective_status(running_env(me, start_ticks=ticks - 1)) == "interrupted (process gone)"
 
 
 def test_run_on_another_host_or_without_runner_stays_running():
-    assert runs.effective_status(running_env(gone_pid(), hostname="elsewhere.example")) == "running"
-    assert runs.effective_status({"status": "running"}) == "running"
+    assert records.effective_status(running_env(gone_pid(), hostname="elsewhere.example")) == "running"
+    assert records.effective_status({"status": "running"}) == "running"
 
 
 @pytest.mark.parametrize("status", ["ok", "failed", "interrupted", "interactive"])
 def test_finished_statuses_are_reported_as_written(status):
-    assert runs.effective_status({**running_env(gone_pid()), "status": status}) == status
-    assert runs.effective_status({}) == "unknown"
+    assert records.effective_status({**running_env(gone_pid()), "status": status}) == status
+    assert records.effective_status({}) == "unknown"
 
 
 def test_list_runs_shows_each_run_with_its_effective_status(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DECODELAB_RESULTS", str(tmp_path))
-    records = {
+    envs = {
         "20260101-000000-aaaaaa": {"status": "ok", "profile": "smoke", "started": "2026-01-01T00:00:00", "wall_s": 3.2,
                                    "load": {"cores": 2, "peak_1min": 5.5, "loaded": True}},
         "20260101-000001-bbbbbb": {**running_env(gone_pid()), "profile": "cpu", "started": "2026-01-01T00:00:01"},
@@ -194,9 +194,9 @@ def test_list_runs_shows_each_run_with_its_effective_status(tmp_path, monkeypatc
                                    "last_cell": {"index": 11, "of": 25, "execution_count": None,
                                                  "first_line": "x = 1"}},
     }
-    for run_id, env in records.items():
+    for run_id, env in envs.items():
         (tmp_path / "consistency" / run_id).mkdir(parents=True)
-        runs.write_json(tmp_path / "consistency" / run_id / "env.json", env)
+        records.write_json(tmp_path / "consistency" / run_id / "env.json", env)
     assert cli.main(["list", "--runs", "consistency"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == [f"runs in {tmp_path}", "consistency:"]
@@ -222,11 +222,11 @@ def test_two_runs_drawing_the_same_id_get_different_folders(tmp_path, monkeypatc
             return datetime(2026, 1, 1, 12, 0, 0, tzinfo=tz)
 
     tails = iter(["aaaaaa", "aaaaaa", "aaaaaa", "bbbbbb"])
-    monkeypatch.setattr(runs, "datetime", FrozenClock)
-    monkeypatch.setattr(runs.secrets, "token_hex", lambda n: next(tails))
-    first = runs.new_run_dir("tiny", root=tmp_path)
+    monkeypatch.setattr(records, "datetime", FrozenClock)
+    monkeypatch.setattr(records.secrets, "token_hex", lambda n: next(tails))
+    first = records.new_run_dir("tiny", root=tmp_path)
     (first / "metrics.json").write_text('{"first": true}')
-    second = runs.new_run_dir("tiny", root=tmp_path)
+    second = records.new_run_dir("tiny", root=tmp_path)
     assert first.name == "20260101-120000-aaaaaa" and second.name == "20260101-120000-bbbbbb"
     assert (first / "metrics.json").read_text() == '{"first": true}' and list(second.iterdir()) == []
 
@@ -275,7 +275,7 @@ def test_unwritable_results_folder_fails_before_anything_runs(notebook, monkeypa
             pytest.skip("this user (root) can write a read-only folder")
         monkeypatch.setenv("DECODELAB_RESULTS", str(folder))
         with pytest.raises(ValueError, match=r"DECODELAB_RESULTS=.* is not writable \(Permission denied\)"):
-            runs.execute("quickstart", "smoke", log=lambda *_: None)
+            runner.execute("quickstart", "smoke", log=lambda *_: None)
     finally:
         folder.chmod(0o700)
 
@@ -286,9 +286,9 @@ def test_results_folder_that_refuses_writes_is_named(notebook, monkeypatch):
         raise OSError(30, "Read-only file system")
 
     monkeypatch.setenv("DECODELAB_RESULTS", str(notebook / "results"))
-    monkeypatch.setattr(runs.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(records.tempfile, "mkstemp", refuse)
     with pytest.raises(ValueError) as error:
-        runs.execute("quickstart", "smoke", log=lambda *_: None)
+        runner.execute("quickstart", "smoke", log=lambda *_: None)
     assert str(error.value) == (
         f"DECODELAB_RESULTS={str(notebook / 'results')!r} is not writable (Read-only file system); "
         "point DECODELAB_RESULTS at a folder you can write (it is made if missing)"
@@ -299,7 +299,7 @@ def test_results_folder_that_refuses_writes_is_named(notebook, monkeypatch):
 def test_notebook_results_folder_that_is_a_file_is_an_error(tmp_path):
     (tmp_path / "quickstart").write_text("not a folder")
     with pytest.raises(ValueError, match=r"cannot make the folder .*quickstart' for runs of 'quickstart'"):
-        runs.new_run_dir("quickstart", root=tmp_path)
+        records.new_run_dir("quickstart", root=tmp_path)
 
 
 # ---------------------------------------------------------------- load tags

@@ -10,7 +10,7 @@ import pytest
 from test_report import LOADED, PNG_MAGIC, make_fake_results, make_run
 
 from decodelab.common.goals import Goal
-from decodelab.suite import answers, findings, report, runs
+from decodelab.suite import answers, findings, records, registry
 
 README = """# decodelab
 
@@ -71,7 +71,7 @@ def test_finding_leads_with_question_answer_and_goal_table(generated):
     _, fake, readme = generated
     _, block = blocks(readme.read_text())
     entry = block[block.index("<!-- speculation run:"):block.index("<!-- sampling run:")]
-    order = [report.QUESTIONS["speculation"].question,
+    order = [registry.NOTEBOOKS["speculation"].question,
              "**Answer.** 1 of 3 goals met; not met: never slower at batch 64: 0.871x (target >= 0.97x)",
              "| goal | value | target | status | note |", "| speedup at batch 1 | 1.83x | >= 1.5x | met |",
              "![speedup vs batch](docs/findings/speculation.png)", "| number | value |",
@@ -81,7 +81,7 @@ def test_finding_leads_with_question_answer_and_goal_table(generated):
     assert "| accuracy lower bound | not measured | >= 0.5 | not measured |" in entry
     assert (readme.parent / "docs" / "findings" / "speculation.png").read_bytes().startswith(PNG_MAGIC)
     assert "`decodelab run masking --profile cpu`" in block
-    for question in report.QUESTIONS.values():
+    for question in registry.NOTEBOOKS.values():
         assert question.question in block
 
 
@@ -115,13 +115,13 @@ def test_missing_markers_raise_and_write_nothing(tmp_path, drop):
 
 
 def test_key_numbers_quote_named_metrics_with_labels_never_lists():
-    question = report.Question("x", "t", "q?", ("fig",), (("greedy_match", "greedy identical"),
+    question = registry.Notebook("x", "x.ipynb", "t", "q?", ("fig",), (("greedy_match", "greedy identical"),
                                                           ("speedup.*", "speedup at batch {0}"), "absent", "ids"))
     metrics = {"verdict": "v", "prompt_tokens": 40, "speedup": {"1": 1.8, "4": 1.2}, "greedy_match": True,
                "ids": [5071, 3328], "rows": [{"a": 1}]}
     assert answers.key_numbers(question, metrics) == [
         ("greedy identical", True), ("speedup at batch 1", 1.8), ("speedup at batch 4", 1.2)]
-    unnamed = report.Question("x", "t", "q?", ("fig",))
+    unnamed = registry.Notebook("x", "x.ipynb", "t", "q?", ("fig",))
     assert answers.key_numbers(unnamed, {"a": {"b": 1}, "c_d": 2, "d": [1, 2]}) == [("c d", 2)]
 
 
@@ -228,7 +228,7 @@ def file_numbers(run_dir: Path) -> list[float]:
     text = run_dir.name + "".join(p.read_text(errors="replace") for p in run_dir.rglob("*")
                                   if p.suffix in (".json", ".csv"))
     values = [float(t) for t in re.findall(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?", text)]
-    metrics = runs.read_json(run_dir / "metrics.json", {}) or {}
+    metrics = records.read_json(run_dir / "metrics.json", {}) or {}
     if isinstance(metrics.get("goals"), list):  # "1 of 3 goals met": counts of the run's goal rows
         statuses = [row.get("status") for row in metrics["goals"]]
         values += [len(statuses)] + [statuses.count(s) for s in ("met", "not met", "not measured")]
@@ -250,7 +250,7 @@ def unexplained_numbers(entry: str, run_dir: Path) -> list[str]:
     """Number tokens of a generated entry that no number of its run explains. Code spans (commit, run ids,
     commands), comments (the run line), headings and the question (fixed text of decodelab.suite.registry)
     and the figure link are not data."""
-    fixed = [q.title for q in report.QUESTIONS.values()] + [q.question for q in report.QUESTIONS.values()]
+    fixed = [q.title for q in registry.NOTEBOOKS.values()] + [q.question for q in registry.NOTEBOOKS.values()]
     for text in fixed:
         entry = entry.replace(text, "")
     entry = re.sub(r"<!--.*?-->|`[^`]*`|!\[[^\]]*\]\([^)]*\)", "", entry, flags=re.S)
@@ -322,7 +322,7 @@ def test_main_refuses_loaded_runs_with_exit_code_2(tmp_path, capsys):
 def test_repository_readme_blocks_match_the_runs_they_name():
     """README.md's generated blocks name their runs and regenerate exactly from them: from results/ where the
     runs are here, else from the records `make findings` committed under docs/findings/runs/."""
-    result = findings.check_readme(runs.repo_root() / "README.md", root=runs.results_root())  # writes nothing
+    result = findings.check_readme(records.repo_root() / "README.md", root=records.results_root())  # writes nothing
     assert result.stale == [], "README.md is not what its runs give; run `make findings`:\n" + "\n".join(result.stale)
     assert result.missing == [], f"runs named by README.md are neither in results/ nor published: {result.missing}"
 

@@ -6,10 +6,10 @@ import json
 import pytest
 
 from decodelab.common import goals
-from decodelab.suite import profiles, runs
+from decodelab.suite import profiles, records, registry
 
-NOTEBOOKS_DIR = runs.notebooks_dir()
-PRESENT = [name for name, file in runs.NOTEBOOKS.items() if (NOTEBOOKS_DIR / file).exists()]
+NOTEBOOKS_DIR = records.notebooks_dir()
+PRESENT = [name for name, file in registry.NOTEBOOKS.items() if (NOTEBOOKS_DIR / file.file).exists()]
 COMMITTED = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 ALLOWED_NOTEBOOK_METADATA = {"kernelspec", "language_info"}
 ALLOWED_CELL_METADATA = {"tags"}
@@ -25,7 +25,7 @@ def test_quickstart_is_registered_and_present():
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
 def test_notebook_is_registered(path):
-    assert path.name in runs.NOTEBOOKS.values(), f"{path.name} is not in runs.NOTEBOOKS"
+    assert path.name in [nb.file for nb in registry.NOTEBOOKS.values()], f"{path.name} has no registry record"
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
@@ -61,8 +61,8 @@ def test_one_parameters_cell_with_output_dir_and_seed_commented(path):
 @pytest.mark.parametrize("name", PRESENT)
 @pytest.mark.parametrize("profile", profiles.PROFILES)
 def test_profile_exists_and_names_only_declared_parameters(name, profile):
-    values = profiles.load_profile(runs.params_dir(name), profile)
-    declared = runs.parameters(name)
+    values = profiles.load_profile(records.params_dir(name), profile)
+    declared = records.parameters(name)
     profiles.validate(values, declared, source=f"{name}/{profile}.yaml")
 
 
@@ -73,7 +73,7 @@ def test_smoke_run_writes_the_results_contract(name, smoke_runs):
     assert run_dir.parent == smoke_runs.root / name
 
     params = load(run_dir / "params.json")
-    assert set(params) >= set(profiles.load_profile(runs.params_dir(name), "smoke"))
+    assert set(params) >= set(profiles.load_profile(records.params_dir(name), "smoke"))
     metrics = load(run_dir / "metrics.json")
     assert metrics, "metrics.json is empty"
     goal_rows = metrics.get("goals")

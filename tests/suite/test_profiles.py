@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from decodelab.suite import cli, profiles, runs
+from decodelab.suite import cli, profiles, records, registry, runner
 
 PARAMETERS = """\
 max_new_tokens = 64  # new tokens per row [allowed: x >= 1]
@@ -161,7 +161,7 @@ def test_a_check_that_raises_on_the_value_rejects_it():
 def test_a_profile_value_names_the_profile_file(notebook, tmp_path):
     (tmp_path / "notebooks" / "params" / "quickstart" / "smoke.yaml").write_text("max_new_tokens: 0\nks: four\n")
     with pytest.raises(ValueError) as error:
-        runs.prepare("quickstart", "smoke")
+        runner.prepare("quickstart", "smoke")
     path = tmp_path / "notebooks" / "params" / "quickstart" / "smoke.yaml"
     assert str(error.value).splitlines() == [
         f"{path}: max_new_tokens=0: not allowed (allowed: x >= 1; default 64)",
@@ -196,7 +196,7 @@ def test_bad_override_values_exit_2_with_their_message(notebook, capsys, item, e
 
 def test_every_bad_value_is_reported_at_once(notebook):
     with pytest.raises(ValueError) as error:
-        runs.prepare("quickstart", "smoke", {"top_p": 2, "ks": [0], "greedy": "yes"})
+        runner.prepare("quickstart", "smoke", {"top_p": 2, "ks": [0], "greedy": "yes"})
     lines = str(error.value).splitlines()
     assert [line.split(":")[0] for line in lines] == ["-p top_p=2", "-p ks=[0]", "-p greedy='yes'"]
 
@@ -275,37 +275,62 @@ def test_parameters_cell_that_does_not_parse_is_named(tmp_path):
 
 
 # ---------------------------------------------------------------- the committed notebooks
-PRESENT = [name for name, file in runs.NOTEBOOKS.items() if (runs.notebooks_dir() / file).exists()]
+PRESENT = [name for name, file in registry.NOTEBOOKS.items() if (records.notebooks_dir() / file.file).exists()]
 
 
 @pytest.mark.parametrize("name", PRESENT)
 def test_committed_notebook_checks_parse_and_hold_for_defaults_and_profiles(name):
-    declared = runs.parameters(name)  # raises on a check that does not parse or is unsafe
+    declared = records.parameters(name)  # raises on a check that does not parse or is unsafe
     defaults = {n: p.default for n, p in declared.items() if p.is_literal and n not in profiles.RESERVED}
     bad_defaults = [msg for n, v in defaults.items() for msg in profiles.check_value(declared[n], v, source="default")]
     assert not bad_defaults, bad_defaults
-    for profile in profiles.available_profiles(runs.params_dir(name)):
-        values = profiles.load_profile(runs.params_dir(name), profile)
+    for profile in profiles.available_profiles(records.params_dir(name)):
+        values = profiles.load_profile(records.params_dir(name), profile)
         profiles.validate(values, declared, source=f"{name}/{profile}.yaml")
+
+
+@pytest.mark.parametrize("name", PRESENT)
+def test_committed_profiles_hold_only_values_that_differ_from_the_notebook(name):
+    """Defaults once: a profile entry equal to the parameters cell's default (a non-literal default such as
+    DEFAULT_MODEL compared by its value) is a second copy that can drift; delete it."""
+    defaults = profiles.evaluated_defaults(records.notebook_path(name))
+    for profile in profiles.available_profiles(records.params_dir(name)):
+        values = profiles.load_profile(records.params_dir(name), profile)
+        same = profiles.redundant_entries(values, defaults)
+        assert not same, f"notebooks/params/{name}/{profile}.yaml repeats the notebook's defaults: {same}"
+
+
+def test_redundant_entries_compare_parsed_values_and_types():
+    defaults = {"n": 4, "lr": 0.01, "on": True, "one": 1, "grid": [1, 2], "model": "smollm2-135m"}
+    values = {"n": 4, "lr": 1e-2, "on": 1, "one": True, "grid": [1, 2, 4], "model": "smollm2-135m"}
+    assert profiles.redundant_entries(values, defaults) == ["n", "lr", "model"]
+
+
+def test_non_literal_default_evaluates_to_the_imported_constant():
+    from decodelab.core.models import DEFAULT_MODEL
+
+    declared = records.parameters("quickstart")
+    assert declared["model"].source == "DEFAULT_MODEL" and not declared["model"].is_literal
+    assert profiles.evaluated_defaults(records.notebook_path("quickstart"))["model"] == DEFAULT_MODEL == "smollm2-135m"
 
 
 def test_real_quickstart_rejects_bad_values_before_the_model_loads(monkeypatch, tmp_path):
     monkeypatch.setenv("DECODELAB_RESULTS", str(tmp_path / "results"))
     for item, start in [("max_new_tokens=abc", "-p max_new_tokens='abc': expected an integer"),
                         ("batch_sizes=4", "-p batch_sizes=4: expected a list"),
-                        ("model=", "-p model=null: expected a string")]:
+                        ("model=", "-p model=null: expected a value")]:
         with pytest.raises(ValueError) as error:
-            runs.execute("quickstart", "smoke", profiles.parse_overrides([item]), log=lambda *_: None)
+            runner.execute("quickstart", "smoke", profiles.parse_overrides([item]), log=lambda *_: None)
         assert str(error.value).startswith(start)
     assert not (tmp_path / "results").exists()
 
 
 def test_real_speculation_rejects_a_zero_draft_length():
-    declared = runs.parameters("speculation")
+    declared = records.parameters("speculation")
     if not any(check.kind == "each" for check in declared["ks"].checks):
         pytest.skip("notebook 01 does not declare [each: x >= 1] on ks yet (its owner adds it)")
     with pytest.raises(ValueError, match=r"^-p ks=\[0\]: element ks\[0\]=0 is not allowed \(each: "):
-        runs.prepare("speculation", "smoke", {"ks": [0]})
+        runner.prepare("speculation", "smoke", {"ks": [0]})
 
 
 def test_list_shows_checks_apart_from_the_help(notebook, capsys):
@@ -316,6 +341,6 @@ def test_list_shows_checks_apart_from_the_help(notebook, capsys):
 
 
 def test_params_json_of_a_prepared_run_is_plain_json(notebook):
-    _, injected, merged = runs.prepare("quickstart", "smoke", {"ks": [2]})
+    _, injected, merged = runner.prepare("quickstart", "smoke", {"ks": [2]})
     assert injected == {"max_new_tokens": 8, "ks": [2]}
     assert json.loads(json.dumps(merged))["constant"] == "DEFAULT_MODEL"

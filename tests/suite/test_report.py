@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from decodelab.common.goals import Goal
-from decodelab.suite import report
+from decodelab.suite import notebook_export, registry, report, report_html
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -73,7 +73,7 @@ def make_run(root: Path, name: str, run_id: str, *, status: str = "ok", profile:
     """results/<name>/<run_id>/ the way decodelab.suite.runs lays it out."""
     run_dir = root / name / run_id
     (run_dir / "figures").mkdir(parents=True)
-    figures = list(figures if figures is not None else report.QUESTIONS[name].headline)
+    figures = list(figures if figures is not None else registry.NOTEBOOKS[name].headline)
     for stem in figures:
         make_png(run_dir / "figures" / f"{stem}.png", title=f"{name}: {stem}")
     caps = captions if captions is not None else {stem: f"caption of {stem}" for stem in figures}
@@ -179,7 +179,7 @@ def built(tmp_path_factory):
 # ---------------------------------------------------------------- the page
 def test_page_states_every_question(built):
     _, _, _, page = built
-    for question in report.QUESTIONS.values():
+    for question in registry.NOTEBOOKS.values():
         assert html.escape(question.question) in page
         assert html.escape(question.title) in page
 
@@ -286,7 +286,7 @@ def test_metrics_become_tables_with_capped_rows(tmp_path):
     metrics = {
         "verdict": ["min-p wins at T>=1.5", "no difference at T=1"],
         "accuracy": {"min_p": {"T=1": 0.4, "T=2": 0.2}, "top_p": {"T=1": 0.41, "T=2": 0.05}},
-        "rows": [{"i": i, "x": i * 0.5} for i in range(report.MAX_TABLE_ROWS + 7)],
+        "rows": [{"i": i, "x": i * 0.5} for i in range(report_html.MAX_TABLE_ROWS + 7)],
         "nested": {"a": {"b": 3}, "c": 1},
         "curve": list(range(40)),
     }
@@ -295,7 +295,7 @@ def test_metrics_become_tables_with_capped_rows(tmp_path):
     assert "<li>min-p wins at T&gt;=1.5</li>" in page
     assert "<th>key</th><th>T=1</th><th>T=2</th>" in page and "<td>top_p</td><td>0.41</td>" in page
     assert "… 7 more rows" in page
-    assert f"<td>{report.MAX_TABLE_ROWS - 1}</td>" in page and f"<td>{report.MAX_TABLE_ROWS}</td>" not in page
+    assert f"<td>{report_html.MAX_TABLE_ROWS - 1}</td>" in page and f"<td>{report_html.MAX_TABLE_ROWS}</td>" not in page
     assert "<th>nested.a.b</th><td>3</td>" in page
     assert "(40 items)" in page
 
@@ -393,7 +393,7 @@ def test_strip_remote_assets_keeps_local_and_inline():
     page = ('<script src="https://cdn.example/x.js"></script><script>var a = 1;</script>'
             '<link rel="stylesheet" href="//cdn.example/s.css"><link rel="stylesheet" href="local.css">'
             '<script src="local.js"></script>')
-    assert report.strip_remote_assets(page) == (
+    assert notebook_export.strip_remote_assets(page) == (
         '<script>var a = 1;</script><link rel="stylesheet" href="local.css"><script src="local.js"></script>'
     )
 

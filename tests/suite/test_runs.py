@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from decodelab.suite import profiles, runs
+from decodelab.suite import profiles, records, registry, runner, runs
 
 PARAMETERS = """\
 x = 1  # an integer, any value
@@ -28,16 +28,17 @@ run.log_metrics(after=True)
 """
 
 
-def write_tiny_notebook(root, *, profiles_yaml=None):
+def write_tiny_notebook(root, *, profiles_yaml=None, imports="from decodelab.suite import runs",
+                        parameters=PARAMETERS, body=BODY):
     """notebooks/tiny.ipynb with a parameters cell, and notebooks/params/tiny/<profile>.yaml."""
     import nbformat
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_markdown_cell("# tiny"),
-        nbformat.v4.new_code_cell("from decodelab.suite import runs"),
-        nbformat.v4.new_code_cell(PARAMETERS, metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell(BODY),
+        nbformat.v4.new_code_cell(imports),
+        nbformat.v4.new_code_cell(parameters, metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(body),
         nbformat.v4.new_code_cell(FAIL),
     ]
     nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
@@ -55,7 +56,7 @@ def tiny(tmp_path, monkeypatch):
     notebooks = write_tiny_notebook(tmp_path)
     monkeypatch.setenv("DECODELAB_NOTEBOOKS", str(notebooks))
     monkeypatch.setenv("DECODELAB_RESULTS", str(tmp_path / "results"))
-    monkeypatch.setitem(runs.NOTEBOOKS, "tiny", "tiny.ipynb")
+    monkeypatch.setitem(registry.NOTEBOOKS, "tiny", registry.Notebook("tiny", "tiny.ipynb", "tiny", "?", ()))
     return tmp_path / "results"
 
 
@@ -68,7 +69,7 @@ def test_parameters_cell_gives_defaults_and_help():
 
 
 def test_profile_overrides_defaults_and_p_overrides_profile(tiny):
-    _, injected, merged = runs.prepare("tiny", "cpu", {"x": 7})
+    _, injected, merged = runner.prepare("tiny", "cpu", {"x": 7})
     assert injected == {"x": 7, "names": ["c"]}
     assert merged == {"x": 7, "names": ["c"], "fail": False, "seed": 0}
 
@@ -80,38 +81,38 @@ def test_empty_profile_is_empty_mapping(tmp_path):
 
 def test_unknown_profile_lists_allowed(tiny):
     with pytest.raises(ValueError, match=r"profile='fast'.*'smoke', 'cpu', 'gpu'"):
-        runs.prepare("tiny", "fast")
+        runner.prepare("tiny", "fast")
 
 
 def test_missing_profile_file_lists_available(tiny):
     with pytest.raises(ValueError, match=r"profile='gpu'.*\['smoke', 'cpu'\]"):
-        runs.prepare("tiny", "gpu")
+        runner.prepare("tiny", "gpu")
 
 
 def test_unknown_notebook_lists_registered(tiny):
     with pytest.raises(ValueError, match=r"notebook='nope'.*'quickstart'"):
-        runs.execute("nope", "smoke")
+        runner.execute("nope", "smoke")
 
 
 def test_unknown_parameter_rejected_before_execution(tiny):
     with pytest.raises(ValueError, match=r"\['batch'\].*valid parameters: \['x', 'names', 'fail', 'seed'\]"):
-        runs.execute("tiny", "smoke", {"batch": 4})
+        runner.execute("tiny", "smoke", {"batch": 4})
     assert not tiny.exists()  # nothing written, no kernel started
 
 
 def test_unknown_parameter_in_profile_file_rejected(tiny, tmp_path):
     (tmp_path / "notebooks" / "params" / "tiny" / "smoke.yaml").write_text("typo: 1\n")
     with pytest.raises(ValueError, match=r"\['typo'\] in .*smoke.yaml"):
-        runs.prepare("tiny", "smoke")
+        runner.prepare("tiny", "smoke")
 
 
 def test_output_dir_is_reserved_for_the_runner(tiny):
     with pytest.raises(ValueError, match="output_dir"):
-        runs.prepare("tiny", "smoke", {"output_dir": "/tmp/x"})
+        runner.prepare("tiny", "smoke", {"output_dir": "/tmp/x"})
 
 
 def test_run_ids_never_repeat(tmp_path):
-    dirs = {runs.new_run_dir("tiny", root=tmp_path) for _ in range(200)}
+    dirs = {records.new_run_dir("tiny", root=tmp_path) for _ in range(200)}
     assert len(dirs) == 200 and all(d.is_dir() for d in dirs)
 
 
@@ -169,19 +170,36 @@ def test_interactive_start_makes_a_fresh_directory(tiny):
     assert env["status"] == "interactive" and "git" in env and "packages" in env
 
 
+def test_start_records_every_declared_parameter_even_when_params_omits_some(tiny):
+    kernel = {"x": 5, "names": ["k"], "fail": False, "seed": 3, "unrelated": 1}
+    run = runs.start("tiny", None, params={"x": 6}, namespace=kernel)
+    assert json.loads((run.dir / "params.json").read_text()) == {"x": 6, "names": ["k"], "fail": False, "seed": 3}
+    bare = runs.start("tiny", None, namespace=kernel)  # no params=: the declared names, the kernel's values
+    assert json.loads((bare.dir / "params.json").read_text()) == {"x": 5, "names": ["k"], "fail": False, "seed": 3}
+
+
+def test_start_replaces_a_non_literal_default_with_the_kernels_value(tmp_path):
+    """Under the runner params.json holds every declared name, a non-literal default as its source text."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records.write_json(run_dir / "params.json", {"model": "DEFAULT_MODEL", "seed": 0})
+    runs.start("unregistered", run_dir, namespace={"model": "smollm2-135m", "seed": 0, "other": 2})
+    assert json.loads((run_dir / "params.json").read_text()) == {"model": "smollm2-135m", "seed": 0}
+
+
 def test_latest_run_picks_newest_with_status(tmp_path):
     for i, status in enumerate(["ok", "ok", "failed"]):
         d = tmp_path / "tiny" / f"run{i}"
         d.mkdir(parents=True)
-        runs.write_json(d / "env.json", {"status": status, "started": f"2026-01-0{i + 1}T00:00:00"})
-    assert runs.latest_run("tiny", root=tmp_path).name == "run1"
-    assert runs.latest_run("tiny", status="failed", root=tmp_path).name == "run2"
-    assert runs.latest_run("other", root=tmp_path) is None
+        records.write_json(d / "env.json", {"status": status, "started": f"2026-01-0{i + 1}T00:00:00"})
+    assert records.latest_run("tiny", root=tmp_path).name == "run1"
+    assert records.latest_run("tiny", status="failed", root=tmp_path).name == "run2"
+    assert records.latest_run("other", root=tmp_path) is None
 
 
 @pytest.mark.slow
 def test_execute_writes_params_metrics_env_and_notebook(tiny):
-    run_dir = runs.execute("tiny", "smoke", {"names": ["z"]}, progress=False, log=lambda *_: None)
+    run_dir = runner.execute("tiny", "smoke", {"names": ["z"]}, progress=False, log=lambda *_: None)
     assert run_dir.parent == tiny / "tiny"
     assert json.loads((run_dir / "params.json").read_text()) == {"x": 2, "names": ["z"], "fail": False, "seed": 0}
     assert json.loads((run_dir / "metrics.json").read_text()) == {"x2": 4, "names": ["z"], "seed": 0, "after": True}
@@ -189,7 +207,7 @@ def test_execute_writes_params_metrics_env_and_notebook(tiny):
     assert env["status"] == "ok" and env["profile"] == "smoke" and env["wall_s"] > 0
     assert env["kernel"]["python_executable"]
     assert env["runner"]["pid"] == os.getpid() and env["runner"]["hostname"] == socket.gethostname()
-    assert runs.effective_status(env) == "ok"
+    assert records.effective_status(env) == "ok"
     load = env["load"]
     assert set(load) >= {"cores", "before", "after", "peak_1min", "loaded"} and load["cores"] == os.cpu_count()
     assert load["peak_1min"] >= max(load["before"][0], load["after"][0])
@@ -197,14 +215,28 @@ def test_execute_writes_params_metrics_env_and_notebook(tiny):
     executed = json.loads((run_dir / "notebook.ipynb").read_text())
     assert any("injected-parameters" in c["metadata"].get("tags", []) for c in executed["cells"])
     # same parameters and seed -> same metrics, in a new directory
-    again = runs.execute("tiny", "smoke", {"names": ["z"]}, progress=False, log=lambda *_: None)
+    again = runner.execute("tiny", "smoke", {"names": ["z"]}, progress=False, log=lambda *_: None)
     assert again != run_dir
     assert (again / "metrics.json").read_text() == (run_dir / "metrics.json").read_text()
+
+
+@pytest.mark.slow
+def test_params_json_holds_every_declared_parameter_without_params_in_the_notebook(tmp_path, monkeypatch):
+    notebooks = write_tiny_notebook(
+        tmp_path, imports="from decodelab.suite import runs\nfrom decodelab.core.models import DEFAULT_MODEL",
+        parameters=PARAMETERS + "model = DEFAULT_MODEL  # a constant\n",
+        body='run = runs.start("tiny", output_dir)\nrun.log_metrics(x=x)\n')
+    monkeypatch.setenv("DECODELAB_NOTEBOOKS", str(notebooks))
+    monkeypatch.setitem(registry.NOTEBOOKS, "tiny", registry.Notebook("tiny", "tiny.ipynb", "tiny", "?", ()))
+    run_dir = runner.execute("tiny", "smoke", {"seed": 4}, root=tmp_path / "results", progress=False,
+                             log=lambda *_: None)
+    assert json.loads((run_dir / "params.json").read_text()) == {
+        "x": 2, "names": ["a", "b"], "fail": False, "seed": 4, "model": "smollm2-135m"}
 
 
 def test_relative_path_overrides_resolve_from_the_callers_directory(tmp_path, monkeypatch):
     (tmp_path / "mine.json").write_text("[]")
     monkeypatch.chdir(tmp_path)
-    out = runs.absolute_paths({"schemas_file": "mine.json", "model": "mine.json", "tasks_file": "absent.json"})
+    out = runner.absolute_paths({"schemas_file": "mine.json", "model": "mine.json", "tasks_file": "absent.json"})
     assert out["schemas_file"] == str((tmp_path / "mine.json").resolve())
     assert out["model"] == "mine.json" and out["tasks_file"] == "absent.json"

@@ -48,31 +48,55 @@ def alternating_times(calls: dict[str, Callable], repeats: int, device: torch.de
     return times
 
 
+PEAK_MEMORY_HOWS = ("process", "allocator")
+
+
 class PeakMemory:
     """Peak memory a block adds above what was live when it started, in bytes (`.peak_bytes`).
 
-    CUDA: torch.cuda.max_memory_allocated above the allocated bytes at entry. CPU: the process's peak RSS
-    (VmHWM, reset at entry by writing 5 to /proc/self/clear_refs) above its RSS at entry, after a garbage
-    collection and malloc_trim so freed memory from earlier work is returned first. `.how` says which.
+    CUDA (either `how`): torch.cuda.max_memory_allocated above the allocated bytes at entry.
+    CPU, how="process" (the default): the process's peak RSS (VmHWM, reset at entry by writing 5 to
+    /proc/self/clear_refs) above its RSS at entry, after a garbage collection and malloc_trim so freed
+    memory from earlier work is returned first. It sees everything the process maps (tensors, caches,
+    Python objects), which is what a whole decoding call costs.
+    CPU, how="allocator": the largest running "Total Allocated" of PyTorch's CPU allocator over the block,
+    from `torch.profiler(profile_memory=True)`'s record of every allocation and free. Tensor bytes only, and
+    deterministic (same work -> same bytes). The MTP training-step comparison needs this one: its steps
+    run warm (their buffers were allocated and freed by a warm-up step), so glibc hands the same pages
+    back and RSS barely moves, and the differences it compares (one head's (B, T, V) logits against n
+    heads') are a few MiB inside a process of hundreds; the allocator trace counts them exactly. (Not
+    tracemalloc: it does not see tensor storage.) No garbage collection or trim runs first: freeing
+    nothing changes what the allocator reports, and the trace's counter carries allocations still alive
+    from earlier traced blocks, which a collection would change.
+    `.how` says which instrument measured: "cuda_max_allocated", "vmhwm", "maxrss_unreset" (no reset was
+    possible: the peak may predate the block) or "cpu_allocator_trace".
     """
 
-    def __init__(self, device):
-        import torch
-
+    def __init__(self, device, *, how: str = "process"):
+        if how not in PEAK_MEMORY_HOWS:
+            raise ValueError(f"how={how!r} must be one of {PEAK_MEMORY_HOWS}")
         self.device = torch.device(device)
+        self.requested = how
 
     def __enter__(self):
         import gc
 
-        import torch
-
-        gc.collect()
         if self.device.type == "cuda":
+            if self.requested == "process":
+                gc.collect()
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
             self.how = "cuda_max_allocated"
             return self
+        if self.requested == "allocator":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profile.__enter__()
+            self.how = "cpu_allocator_trace"
+            return self
+        gc.collect()
         _malloc_trim()
         try:
             with open("/proc/self/clear_refs", "w") as handle:
@@ -84,15 +108,34 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc):
-        import torch
-
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
+            self.peak_bytes = max(int(torch.cuda.max_memory_allocated(self.device) - self._base), 0)
+        elif self.how == "cpu_allocator_trace":
+            self._profile.__exit__(*exc)
+            self.peak_bytes = _allocator_trace_peak(self._profile)
         else:
-            peak = _proc_status_kb("VmHWM") * 1024
-        self.peak_bytes = max(int(peak - self._base), 0)
+            self.peak_bytes = max(int(_proc_status_kb("VmHWM") * 1024 - self._base), 0)
         return False
+
+
+def _allocator_trace_peak(prof) -> int:
+    """Largest CPU "Total Allocated" among a finished profiler's memory events (0 if none)."""
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as handle:
+            events = json.load(handle)["traceEvents"]
+    finally:
+        os.unlink(path)
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0]
+    return int(max([0, *totals]))
 
 
 def _proc_status_kb(field_name: str) -> int:

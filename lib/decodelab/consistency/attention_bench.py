@@ -1,10 +1,9 @@
 """Shared-prefix attention against attention over n copies of the prompt, timed alone (no model around it)."""
 from __future__ import annotations
 
-import time
-
 import torch
 
+from decodelab.common.timing import alternating_times
 from decodelab.core.shared_prefix import shared_prefix_attention
 
 
@@ -36,25 +35,8 @@ def attention_benchmark(prompt_lengths, n_values, *, n_heads: int = 9, n_kv_head
                                                           row_counts=[n]),
                 "unshared": lambda: grouped_attention(q, full_k, full_v, full_mask),
             }
-            times = _alternating_times(calls, repeats, torch.device(device))
+            times = alternating_times(calls, repeats, torch.device(device))
             for impl, t in times.items():
                 rows.append({"prompt_len": prompt_len, "n": n, "impl": impl, "seconds": min(t),
                              "seconds_max": max(t), "seconds_spread": (max(t) - min(t)) / min(t)})
     return rows
-
-
-def _alternating_times(calls: dict, repeats: int, device: torch.device) -> dict:
-    """{name: [seconds per call]}: one warm-up each, then `repeats` rounds, the call order flipping each round."""
-    from decodelab.core.engine import synchronize
-
-    for call in calls.values():
-        call()  # warm-up
-    names, times = list(calls), {name: [] for name in calls}
-    for r in range(repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            synchronize(device)
-            start = time.perf_counter()
-            calls[name]()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    return times

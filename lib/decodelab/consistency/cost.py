@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from decodelab.common.timing import PeakMemory
-from decodelab.consistency.votes import row_generator
+from decodelab.common.seeding import row_generator
+from decodelab.common.timing import PeakMemory, timed
 
 COST_METHODS = ("shared", "unshared", "hf_num_return_sequences")
 
@@ -34,7 +34,7 @@ def long_prompt(tokenizer, n_tokens: int, *, source_module: str = "argparse", se
     import importlib.util
     from pathlib import Path
 
-    from decodelab.workloads.tasks import chat_prompt_ids
+    from decodelab.workloads.prompts import chat_prompt_ids
 
     text = Path(importlib.util.find_spec(source_module).origin).read_text()
     marker = "<<SOURCE>>"
@@ -95,7 +95,7 @@ def run_method(model, method: str, prompt: list[int], n: int, *, new_tokens: int
 
     from decodelab.core.shared_prefix import cache_bytes, generate_shared
 
-    gens = [row_generator(seed, 0, s, model.device) for s in range(n)]
+    gens = [row_generator(seed, 0, s, device=model.device) for s in range(n)]
     if method in ("shared", "unshared"):
         result = generate_shared(model, [prompt], n, max_new_tokens=new_tokens, sampler=sampler, generator=gens,
                                  eos_token_ids=[], shared=method == "shared", return_logprobs=False)
@@ -122,15 +122,8 @@ def time_method(model, method: str, prompt: list[int], n: int, *, new_tokens: in
                 seed: int = 0) -> tuple[float, MethodOutput]:
     """One outer wall clock around one whole `run_method` call (prefill, decode, host copies) -> (s, output).
     Raises when the method did not return n x new_tokens tokens (the work both sides are credited with)."""
-    import time
-
-    from decodelab.core import engine
-
-    engine.synchronize(model.device)
-    start = time.perf_counter()
-    output = run_method(model, method, prompt, n, new_tokens=new_tokens, sampler=sampler, seed=seed)
-    engine.synchronize(model.device)
-    seconds = time.perf_counter() - start
+    output, seconds = timed(lambda: run_method(model, method, prompt, n, new_tokens=new_tokens, sampler=sampler,
+                                               seed=seed), model.device)
     lengths = [len(t) for t in output.tokens]
     if len(lengths) != n or any(length != new_tokens for length in lengths):
         raise RuntimeError(f"method={method!r} returned {lengths} tokens, expected {n} x {new_tokens}")

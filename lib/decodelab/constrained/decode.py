@@ -1,5 +1,8 @@
 """Constrained decoding on the decode engine: per-step masks, batched rows, jump-forward, validation.
 
+Both decoders here are policies of the engine's one token loop (`core.engine.run_loop`): `GrammarPolicy`
+(constrained `generate`) and `FreeJSONPolicy` (`sample_free`, free sampling until the reply's JSON closes).
+
 The loop (per step, B rows):  logits (B, V) -> fill each row's mask (engine) -> disallowed at -inf ->
 sampler picks (B,) -> matchers accept -> [jump-forward appends forced tokens] -> one forward of every
 row's pending tokens (ragged, `n_new` per row) -> logits of each row's last token.
@@ -31,6 +34,7 @@ from decodelab.constrained.masks import (
     apply_bitmask,
     make_engine,
 )
+from decodelab.core.engine import Feed, PolicyBase
 
 JUMP_FORWARD = ("off", "tokens", "retokenize")
 
@@ -83,6 +87,56 @@ def compile_all(engine: MaskEngine, constraints: list[Constraint]) -> list:
     return out
 
 
+class GrammarPolicy(PolicyBase):
+    """Constrained decoding as a `LoopPolicy` of the engine's token loop.
+
+    The logits hook fills each alive row's mask and sets disallowed tokens to -inf before the sampler picks;
+    the matcher accepts the pick; jump-forward queues the tokens the grammar forces (`loop.force`: no model
+    call, no sampler draw; they ride in the next forward). A row ends when its grammar terminates.
+    Finished rows leave the batch (`TokenLoop.compact`).
+    """
+
+    compact = True
+
+    def __init__(self, masker: BatchMasker, engine: MaskEngine, jump_forward: str, tokenizer, result, extra: int):
+        self.masker, self.engine, self.jump_forward, self.tokenizer = masker, engine, jump_forward, tokenizer
+        self.result, self.extra = result, extra
+
+    def first(self, loop, logits: torch.Tensor) -> dict[int, list[int]]:
+        alive = loop.alive
+        start = time.perf_counter()
+        bitmask = self.masker.fill(alive)
+        if len(loop.rows) < loop.batch:
+            bitmask = bitmask[torch.tensor(loop.rows)]
+        masked = apply_bitmask(logits.float(), bitmask.to(logits.device))
+        self.result.mask_s.append(time.perf_counter() - start)
+        picked = dict(zip(loop.rows, loop.pick(masked).tolist()))
+        emitted = {}
+        for r in alive:
+            matcher = self.masker.matchers[r]
+            if not matcher.accept(picked[r]):
+                raise RuntimeError(f"engine {self.engine.name!r} rejected token {picked[r]} it allowed (row {r})")
+            emitted[r] = [picked[r]]
+            budget = loop.max_new_tokens - len(loop.tokens[r]) - 1
+            if self.jump_forward == "tokens":
+                loop.force(r, forced_tokens(matcher, self.engine.vocab_size, budget))
+            elif self.jump_forward == "retokenize" and not matcher.is_terminated():
+                emitted[r] = retokenize_forward(matcher, emitted[r], self.tokenizer, budget)
+            self.result.jumped_tokens += len(emitted[r]) + len(loop.forced[r]) - 1
+        return emitted
+
+    def feed(self, loop) -> Feed:
+        tokens, n_new = loop.pending_batch()
+        return Feed(tokens, mode="last", n_new=n_new)
+
+    def accept(self, loop, logits: torch.Tensor, hidden) -> dict[int, list[int]]:
+        self.result.forward_passes += 1
+        return self.first(loop, logits)
+
+    def stopped(self, loop, row: int) -> bool:
+        return self.masker.matchers[row].is_terminated()
+
+
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], constraint: Constraint | list[Constraint], engine: MaskEngine, *,
              max_new_tokens: int = 128, sampler=None, generator=None, jump_forward: str = "off",
@@ -93,70 +147,28 @@ def generate(model, prompts: list[list[int]], constraint: Constraint | list[Cons
     then each row's draws do not depend on the other rows). Rows leave the batch once they finish.
     tokenizer: needed to decode texts and for jump_forward="retokenize" (default: engine.tokenizer).
     Raises ConstraintError / UnsupportedConstraint before generation if a constraint does not compile.
+    The loop is the engine's (`core.engine.run_loop`) with a `GrammarPolicy`.
     """
-    from decodelab.core.engine import as_transformer, pick_tokens, prefill, synchronize
+    from decodelab.core.engine import DecodeStats, run_loop, validate_generation_args
 
     if jump_forward not in JUMP_FORWARD:
         raise ValueError(f"jump_forward={jump_forward!r} must be one of {list(JUMP_FORWARD)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    validate_generation_args(prompts, max_new_tokens)
     constraints = constraint if isinstance(constraint, list) else [constraint] * len(prompts)
     if len(constraints) != len(prompts):
         raise ValueError(f"got {len(constraints)} constraints for {len(prompts)} prompts; give one or one per row")
     tokenizer = tokenizer or engine.tokenizer
     masker = BatchMasker(engine, compile_all(engine, constraints))
-    tr = as_transformer(model)
     batch = len(prompts)
-
-    synchronize(tr.device)
-    start = time.perf_counter()
+    result = ConstrainedResult([[] for _ in prompts], [], [False] * batch, [], 0, 0)
     # slack for jump-forward: a row may append up to max_new_tokens in one forward
     extra = max_new_tokens + 1 if jump_forward != "off" else 0
-    cache, logits = prefill(tr, prompts, max_new_tokens=max_new_tokens, extra=extra)
-    synchronize(tr.device)
-    result = ConstrainedResult([[] for _ in prompts], [], [False] * batch, [], 0, 0,
-                               prefill_s=time.perf_counter() - start)
-    done = [False] * batch
-    rows = list(range(batch))  # original row of each cache / logits row (finished rows are dropped)
-    while True:
-        alive = [r for r in rows if not done[r]]
-        start = time.perf_counter()
-        bitmask = masker.fill(alive)
-        if len(rows) < batch:
-            bitmask = bitmask[torch.tensor(rows)]
-        masked = apply_bitmask(logits.float(), bitmask.to(logits.device))
-        result.mask_s.append(time.perf_counter() - start)
-        picked = dict(zip(rows, pick_tokens(masked, sampler, _rows_of(generator, rows, batch)).tolist()))
-        pending: dict[int, list[int]] = {r: [] for r in rows}
-        for r in alive:
-            matcher = masker.matchers[r]
-            if not matcher.accept(picked[r]):
-                raise RuntimeError(f"engine {engine.name!r} rejected token {picked[r]} it allowed (row {r})")
-            pending[r].append(picked[r])
-            budget = max_new_tokens - len(result.tokens[r]) - 1
-            if jump_forward == "tokens":
-                pending[r] += forced_tokens(matcher, engine.vocab_size, budget)
-            elif jump_forward == "retokenize" and not matcher.is_terminated():
-                pending[r] = retokenize_forward(matcher, pending[r], tokenizer, budget)
-            result.jumped_tokens += len(pending[r]) - 1
-            result.tokens[r] += pending[r]
-            if matcher.is_terminated():
-                done[r], result.finished[r] = True, True
-            elif len(result.tokens[r]) >= max_new_tokens:
-                done[r] = True
-        if all(done):
-            break
-        cache, rows = _drop_finished(cache, rows, done)
-        width = max(len(pending[r]) for r in rows)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, r in enumerate(rows):
-            tokens[i, : len(pending[r])] = torch.tensor(pending[r], dtype=torch.long)
-        n_new = torch.tensor([len(pending[r]) for r in rows], dtype=torch.long)
-        start = time.perf_counter()
-        logits = _forward_last(tr, cache, tokens.to(tr.device), n_new.to(tr.device))
-        synchronize(tr.device)
-        result.step_s.append(time.perf_counter() - start)
-        result.forward_passes += 1
+    policy = GrammarPolicy(masker, engine, jump_forward, tokenizer, result, extra)
+    stats = DecodeStats(batch_size=batch, prompt_tokens=sum(map(len, prompts)))
+    loop = run_loop(model, prompts, policy, max_new_tokens=max_new_tokens, stats=stats, eos_token_ids=[],
+                    sampler=sampler, generator=generator)
+    result.tokens, result.finished = loop.tokens, loop.finished
+    result.prefill_s, result.step_s = stats.prefill_s, loop.forward_s
     stops = set(engine.stop_token_ids)
     result.texts = [tokenizer.decode([t for t in row if t not in stops]) if tokenizer is not None else ""
                     for row in result.tokens]
@@ -164,39 +176,24 @@ def generate(model, prompts: list[list[int]], constraint: Constraint | list[Cons
     return result
 
 
-def _rows_of(generator, rows: list[int], batch: int):
-    """The generators of the batch's current rows: a per-row list follows its rows; a shared one is shared."""
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != batch:
-            raise ValueError(f"generator: got a list of {len(generator)} generators, need one per row ({batch})")
-        return [generator[r] for r in rows]
-    return generator
+class FreeJSONPolicy(PolicyBase):
+    """Unconstrained sampling as a `LoopPolicy` that ends a row once its reply holds a complete JSON object.
+    Finished rows leave the batch; the ones still riding feed token 0 (their logits are ignored)."""
 
+    compact = True
 
-def _drop_finished(cache, rows: list[int], done: list[bool]):
-    """Drop finished rows from the batch once they are a quarter of it (-> cache, rows).
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
 
-    Finished rows would otherwise ride along in every forward until the slowest row ends (on CPU a forward
-    costs about linearly in the rows once the batch is a few dozen). `select` copies the kept rows' cache,
-    so it runs only when a quarter has finished: O(log B) copies per generation.
-    """
-    keep = [i for i, r in enumerate(rows) if not done[r]]
-    if len(rows) - len(keep) < max(1, len(rows) // 4):
-        return cache, rows
-    return cache.select(keep), [rows[i] for i in keep]
+    def first(self, loop, logits: torch.Tensor) -> dict[int, list[int]]:
+        return {r: [t] for r, t in zip(loop.rows, loop.pick(logits).tolist())}
 
+    def feed(self, loop) -> Feed:
+        step = [loop.tokens[r][-1] if not loop.done[r] else 0 for r in loop.rows]
+        return Feed(torch.tensor(step, dtype=torch.long, device=loop.device)[:, None], mode="step")
 
-def _forward_last(tr, cache, tokens: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
-    """Append each row's n_new tokens (right-padded) -> logits after each row's last new token (B, V).
-
-    Finished rows pass n_new = 0: nothing is appended for them and their logits are ignored.
-    """
-    if tokens.shape[1] == 1 and bool((n_new == 1).all()):
-        return tr.forward(tokens, cache, logits_at="all")[:, 0]
-    safe = torch.clamp(n_new, min=1)
-    logits = tr.forward(tokens, cache, n_new=safe, logits_at="last")
-    cache.crop(cache.lengths - (safe - n_new))
-    return logits
+    def stopped(self, loop, row: int) -> bool:
+        return _first_object_closed(self.tokenizer.decode(loop.tokens[row], skip_special_tokens=True))
 
 
 @torch.inference_mode()
@@ -207,33 +204,15 @@ def sample_free(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: i
     -> (texts without special tokens, ended). A row ends early when the object opened at the reply's first
     '{' is closed: `extract_json` reads that object first, so later tokens could not change what is
     validated, and sampling them (models add prose after the JSON) would only cost forward passes.
-    generator: one torch.Generator or one per row. Finished rows leave the batch (see `_drop_finished`).
+    generator: one torch.Generator or one per row. Finished rows leave the batch (`TokenLoop.compact`).
     """
-    from decodelab.core.engine import as_transformer, pick_tokens, prefill
+    from decodelab.core.engine import DecodeStats, run_loop
 
-    tr = as_transformer(model)
-    eos = set(eos_token_ids or getattr(model, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    batch = len(prompts)
-    cache, logits = prefill(tr, prompts, max_new_tokens=max_new_tokens)
-    tokens: list[list[int]] = [[] for _ in prompts]
-    ended, done = [False] * batch, [False] * batch
-    rows = list(range(batch))
-    while True:
-        picked = pick_tokens(logits, sampler, _rows_of(generator, rows, batch)).tolist()
-        for r, token in zip(rows, picked):
-            if done[r]:
-                continue
-            tokens[r].append(token)
-            if token in eos or _first_object_closed(tokenizer.decode(tokens[r], skip_special_tokens=True)):
-                done[r] = ended[r] = True
-            elif len(tokens[r]) >= max_new_tokens:
-                done[r] = True
-        if all(done):
-            break
-        cache, rows = _drop_finished(cache, rows, done)
-        step = torch.tensor([tokens[r][-1] if not done[r] else 0 for r in rows], dtype=torch.long, device=tr.device)
-        logits = tr.forward(step[:, None], cache, logits_at="all")[:, 0]
-    return [tokenizer.decode(t, skip_special_tokens=True) for t in tokens], ended
+    eos = list(eos_token_ids or getattr(model, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    stats = DecodeStats(batch_size=len(prompts), prompt_tokens=sum(map(len, prompts)))
+    loop = run_loop(model, prompts, FreeJSONPolicy(tokenizer), max_new_tokens=max_new_tokens, stats=stats,
+                    eos_token_ids=eos, sampler=sampler, generator=generator)
+    return [tokenizer.decode(t, skip_special_tokens=True) for t in loop.tokens], loop.finished
 
 
 def _first_object_closed(text: str) -> bool:

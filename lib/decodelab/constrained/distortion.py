@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decodelab.core.engine import as_transformer, extend, prefill
 from decodelab.core.tree_cache import TreeCache
+from decodelab.workloads.prompts import user_prompt_ids
 
 
 @dataclass
@@ -158,19 +160,16 @@ def score_trie(model, prompt: list[int], trie: TokenTrie, *, chunk_size: int = 2
 
     One prefill of the prompt, then ceil((N - 1) / chunk_size) tree-attention forwards. Returns the trie.
     """
-    from decodelab.core.engine import as_transformer
-
     tr = as_transformer(model)
     n = len(trie)
-    cache = tr.new_cache(1, len(prompt) + n)
-    root_logits = tr.forward(torch.tensor([prompt], device=tr.device), cache, logits_at="last")
+    cache, root_logits = prefill(tr, [prompt], max_new_tokens=n)  # room for every trie node after the prompt
     tree = TreeCache(cache, len(prompt), trie.parents, trie.depths)
     logps = [torch.log_softmax(root_logits[0].float(), -1)]
     for start in range(1, n, chunk_size):
         stop = min(n, start + chunk_size)
         tree.set_chunk(start, stop)
         tokens = torch.tensor([trie.tokens[start:stop]], device=tr.device)
-        logits = tr.forward(tokens, tree, logits_at="all")[0]
+        logits = extend(tr, tree, tokens, logits_at="all")[0]
         logps.extend(torch.log_softmax(logits.float(), -1))
     stops = list(trie.stop_token_ids)
     trie.child_logp = []
@@ -300,54 +299,15 @@ def kl(p: dict[str, float], q: dict[str, float]) -> float:
 
 def tv(p: dict[str, float], q: dict[str, float]) -> float:
     """Total variation 0.5 * sum_s |p(s) - q(s)|."""
-    keys = set(p) | set(q)
+    keys = dict.fromkeys([*p, *q])  # a fixed summation order: a set's would vary with string hashing
     return 0.5 * sum(abs(p.get(s, 0.0) - q.get(s, 0.0)) for s in keys)
-
-
-def default_tasks_file():
-    from decodelab.workloads.paths import data_file
-
-    return data_file("constrained_tasks.json")
-
-
-def load_tasks(path=None, names: list[str] | None = None) -> list[dict]:
-    """Task definitions {name, category, question, strings} from `path` (default: the shipped file)."""
-    import json
-    from pathlib import Path
-
-    from decodelab.workloads.paths import resolve_path
-
-    path = resolve_path(path, name="tasks_file") if path else default_tasks_file()
-    try:
-        tasks = json.loads(Path(path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"tasks_file={str(path)!r} is not valid JSON: {error}") from None
-    if not isinstance(tasks, list) or not tasks or not all(isinstance(t, dict) and {"name", "strings"} <= set(t)
-                                                             for t in tasks):
-        raise ValueError(f"tasks_file={str(path)!r} must hold a non-empty JSON list of {{name, question, strings}}")
-    if names is None:
-        return tasks
-    by_name = {t["name"]: t for t in tasks}
-    if not isinstance(names, (list, tuple)) or not names:
-        raise ValueError(f"tasks={names!r} must be a non-empty list of task names from {str(path)!r}: {list(by_name)}")
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise ValueError(f"tasks={unknown!r} are not in tasks_file={str(path)!r}; its tasks: {list(by_name)}")
-    return [by_name[n] for n in names]
-
-
-def chat_prompt(tokenizer, question: str) -> list[int]:
-    """A user turn + the assistant header, as token ids (the answer starts right after)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def task_distortion(model, tokenizer, task: dict, token_bytes: list[bytes | None], stop_token_ids: list[int],
                     *, max_nodes: int = 20_000) -> tuple[TokenTrie, ExactDistributions, dict]:
     """Build, score and enumerate one task's trie -> (trie, exact distributions, summary row)."""
     trie = build_trie(task["strings"], token_bytes, stop_token_ids, max_nodes=max_nodes)
-    score_trie(model, chat_prompt(tokenizer, task["question"]), trie)
+    score_trie(model, user_prompt_ids(tokenizer, task["question"]), trie)
     canonical = {s: tokenizer(s, add_special_tokens=False).input_ids for s in task["strings"]}
     exact = exact_distributions(trie, canonical)
     row = {

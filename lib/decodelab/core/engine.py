@@ -1,62 +1,25 @@
-"""The decode engine: batched prefill, one decode step, a multi-token verify step, and `generate`.
+"""The decode engine: batched prefill, one decode step, a multi-token verify step, and THE token loop.
 
-It knows nothing about drafters, grammars or votes: those drive `prefill`, `decode_step`,
-`verify_step` and `KVCache.crop` themselves. Rows are ragged: each has its own prompt length and its
-own cache length, so a row can advance or roll back on its own.
+Every decoder of the suite runs `run_loop` (prefill -> pick -> stop/EOS bookkeeping -> forward); what
+differs between them is a `LoopPolicy`: plain sampling (`generate` here), speculative and MTP
+self-speculative decoding (`speculation.decode`), constrained decoding with jump-forward and
+free-until-the-JSON-closes sampling (`constrained.decode`). The engine knows nothing about drafters,
+grammars or votes. Rows are ragged: each has its own prompt length and its own cache length, so a row can
+advance (`cache.advance`) or roll back (`cache.truncate`) on its own.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from decodelab.core.decode_stats import DecodeStats, GenerationResult
 from decodelab.core.kv_cache import KVCache
 from decodelab.core.sampling import argmax_rows
 from decodelab.core.transformer import Transformer
-
-
-@dataclass
-class DecodeStats:
-    """Timing of one generation. Step times are wall seconds per decode step (host-synchronized)."""
-
-    batch_size: int
-    prompt_tokens: int
-    prefill_s: float = 0.0
-    step_s: list[float] = field(default_factory=list)
-    new_tokens: int = 0  # tokens produced across rows, EOS included, nothing after it
-
-    @property
-    def decode_s(self) -> float:
-        return sum(self.step_s)
-
-    @property
-    def total_s(self) -> float:
-        return self.prefill_s + self.decode_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        """New tokens per second of the whole generation, prefill included."""
-        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
-
-    def as_dict(self) -> dict:
-        return {
-            "batch_size": self.batch_size, "prompt_tokens": self.prompt_tokens, "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s, "steps": len(self.step_s), "new_tokens": self.new_tokens,
-            "tokens_per_s": self.tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
-        }
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[list[int]]  # new tokens per row, EOS included when hit, nothing after it
-    stats: DecodeStats
-    finished: list[bool]  # whether each row stopped on EOS
-    logprobs: list[float] | None = None  # per row: sum of log p(token) under the model's raw logits
 
 
 def as_transformer(model) -> Transformer:
@@ -81,8 +44,9 @@ def pad_prompts(prompts: list[list[int]], device: torch.device, pad_id: int = 0)
 
 
 def prefill(model, prompts: list[list[int]], *, max_new_tokens: int, extra: int = 0,
-            cache: KVCache | None = None, layers=None) -> tuple[KVCache, torch.Tensor]:
-    """Run ragged prompts through the model: -> (cache, logits of each row's last prompt token (B, V)).
+            cache: KVCache | None = None, layers=None, return_hidden: bool = False):
+    """Run ragged prompts through the model: -> (cache, logits of each row's last prompt token (B, V)),
+    and with return_hidden also the final-normed hidden states of every prompt position (B, T, E).
 
     The cache is sized for the longest prompt + max_new_tokens + extra (room for speculative drafts).
     """
@@ -91,8 +55,8 @@ def prefill(model, prompts: list[list[int]], *, max_new_tokens: int, extra: int 
     if cache is None:
         n_layers = None if layers is None else len(layers)
         cache = tr.new_cache(len(prompts), tokens.shape[1] + max_new_tokens + extra, n_layers=n_layers)
-    logits = tr.forward(tokens, cache, n_new=lengths, layers=layers, logits_at="last")
-    return cache, logits
+    out = tr.forward(tokens, cache, n_new=lengths, layers=layers, logits_at="last", return_hidden=return_hidden)
+    return (cache, *out) if return_hidden else (cache, out)
 
 
 def extend(model, cache, tokens: torch.Tensor, *, n_new: torch.Tensor | None = None, layers=None,
@@ -104,32 +68,280 @@ def extend(model, cache, tokens: torch.Tensor, *, n_new: torch.Tensor | None = N
                                          return_hidden=return_hidden)
 
 
+def extend_last(model, cache, tokens: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
+    """Append each row's n_new (B,) tokens of tokens (B, T) (right-padded) -> logits after each row's last
+    new token (B, V). A row may pass n_new = 0 (a finished row still in the batch): it writes one scratch
+    position that is truncated away again, and its logits are meaningless."""
+    if tokens.shape[1] == 1 and bool((n_new == 1).all()):
+        return extend(model, cache, tokens, logits_at="all")[:, 0]
+    safe = torch.clamp(n_new, min=1)
+    logits = extend(model, cache, tokens, n_new=safe, logits_at="last")
+    cache.truncate(cache.lengths - (safe - n_new))
+    return logits
+
+
 def decode_step(model, cache: KVCache, tokens: torch.Tensor, *, layers=None) -> torch.Tensor:
     """Append one token per row: tokens (B,) -> next-token logits (B, V)."""
-    return as_transformer(model).forward(tokens[:, None], cache, layers=layers, logits_at="all")[:, 0]
+    return extend(model, cache, tokens[:, None], layers=layers, logits_at="all")[:, 0]
 
 
 def verify_step(model, cache: KVCache, tokens: torch.Tensor, *, layers=None, return_hidden: bool = False):
     """Append T tokens per row and score each: tokens (B, T) -> logits (B, T, V).
 
     logits[:, t] is the distribution after tokens[:, :t+1]. Every row advances by T; the caller rolls
-    rejected positions back with `cache.crop`.
+    rejected positions back with `cache.truncate`.
     """
-    return as_transformer(model).forward(tokens, cache, layers=layers, logits_at="all", return_hidden=return_hidden)
+    return extend(model, cache, tokens, layers=layers, logits_at="all", return_hidden=return_hidden)
 
 
 def validate_generation_args(prompts, max_new_tokens: int) -> None:
+    """The one check of a generation's arguments (every decoder calls it before any work)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-    if len(prompts) < 1:
+    if prompts is not None and len(prompts) < 1:
         raise ValueError(f"batch size={len(prompts)} must be >= 1 (got no prompts)")
+
+
+# -- the token loop ------------------------------------------------------------------------------------
+@dataclass
+class Feed:
+    """One forward's input, chosen by the policy: tokens (B', T) of the batch's current rows.
+
+    mode "step": T = 1, logits (B', V); "all": every row feeds T, logits (B', T, V) (a verify step);
+    "last": row i feeds n_new[i] (0 allowed), logits at its last token (B', V). return_hidden: also the
+    final-normed hidden states (B', T, E).
+    """
+
+    tokens: torch.Tensor
+    mode: str = "step"
+    n_new: torch.Tensor | None = None
+    return_hidden: bool = False
+
+
+class LoopPolicy(Protocol):
+    """What makes a decoder: the hooks `run_loop` calls. `emitted` maps a row (its index in the prompts) to
+    the tokens it produced this step; the engine cuts them at EOS / max_new_tokens and appends forced ones.
+
+    first(loop, logits (B, V) at each prompt's last token) -> emitted: each row's first token(s).
+    feed(loop) -> Feed: what every current batch row feeds (pending tokens, drafts, forced tokens).
+    accept(loop, logits, hidden) -> emitted after the forward (rolling the cache back past rejected drafts).
+    stopped(loop, row) -> bool: the row ends after this step's tokens (a grammar terminated, JSON closed).
+    end_step(loop): after a step's bookkeeping (policy updates, parking finished rows).
+    extra: cache room beyond the longest prompt + max_new_tokens; compact: drop finished rows from the
+    batch once a quarter of it finished (else they ride along, as shared random streams need).
+    """
+
+    extra: int
+    compact: bool
+
+    def first(self, loop: "TokenLoop", logits: torch.Tensor) -> dict[int, list[int]]: ...
+
+    def feed(self, loop: "TokenLoop") -> Feed: ...
+
+    def accept(self, loop: "TokenLoop", logits: torch.Tensor, hidden) -> dict[int, list[int]]: ...
+
+    def stopped(self, loop: "TokenLoop", row: int) -> bool: ...
+
+    def end_step(self, loop: "TokenLoop") -> None: ...
+
+
+class PolicyBase:
+    """Defaults of a `LoopPolicy`: no extra cache room, finished rows ride along, accept picks like first,
+    no row-level stop, nothing after a step."""
+
+    extra, compact = 0, False
+
+    def accept(self, loop: "TokenLoop", logits: torch.Tensor, hidden) -> dict[int, list[int]]:
+        return self.first(loop, logits)
+
+    def stopped(self, loop: "TokenLoop", row: int) -> bool:
+        return False
+
+    def end_step(self, loop: "TokenLoop") -> None:
+        pass
+
+
+class TokenLoop:
+    """Per-row state of one generation: emitted tokens, finished rows, a forced-token queue per row.
+
+    rows: the prompt index of each batch row of the cache (compaction drops finished rows);
+    sequences[r]: prompt + emitted tokens; pending[r]: this step's kept tokens, not yet in the cache.
+    Forced tokens (`force`) join a row's output after its emitted tokens, without a sampler draw, and ride
+    in the next forward with them.
+    """
+
+    def __init__(self, model, prompts, *, max_new_tokens: int, eos_token_ids, sampler=None, generator=None):
+        self.model, self.tr = model, as_transformer(model)
+        self.prompts = [list(p) for p in prompts]
+        self.batch = len(prompts)
+        if isinstance(generator, (list, tuple)) and len(generator) != self.batch:
+            raise ValueError(f"generator: got a list of {len(generator)} generators, need one per row "
+                             f"({self.batch} prompts)")
+        self.max_new_tokens, self.eos = max_new_tokens, set(eos_token_ids)
+        self.sampler, self.generator = sampler, generator
+        self.rows = list(range(self.batch))
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.sequences = [list(p) for p in prompts]
+        self.pending: list[list[int]] = [[] for _ in prompts]
+        self.forced = [deque() for _ in prompts]
+        self.done, self.finished = [False] * self.batch, [False] * self.batch
+        self.cache = None
+        self.forward_s: list[float] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.tr.device
+
+    @property
+    def alive(self) -> list[int]:
+        return [r for r in self.rows if not self.done[r]]
+
+    def generators(self):
+        """The generators of the current batch rows: a per-row list follows its rows; one shared is shared."""
+        if isinstance(self.generator, (list, tuple)):
+            return [self.generator[r] for r in self.rows]
+        return self.generator
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B', V) -> (B',): greedy without a sampler, else one draw per current batch row (a logits hook,
+        such as a grammar mask, runs in the policy before it calls pick)."""
+        return pick_tokens(logits, self.sampler, self.generators())
+
+    def force(self, row: int, tokens) -> None:
+        """Queue tokens that `row` emits next without a sampler draw (jump-forward, injected text)."""
+        self.forced[row].extend(tokens)
+
+    def record(self, emitted: dict[int, list[int]], policy) -> None:
+        """Append each alive row's emitted then forced tokens, cut at EOS or max_new_tokens; end rows."""
+        for r in self.alive:
+            kept = []
+            for token in [*emitted.get(r, []), *self.forced[r]]:
+                kept.append(token)
+                if token in self.eos:
+                    self.finished[r] = True
+                if self.finished[r] or len(self.tokens[r]) + len(kept) >= self.max_new_tokens:
+                    break
+            self.forced[r].clear()
+            self.tokens[r] += kept
+            self.sequences[r] += kept
+            self.pending[r] = kept
+            if not self.finished[r] and policy.stopped(self, r):
+                self.finished[r] = True
+            self.done[r] = self.finished[r] or len(self.tokens[r]) >= self.max_new_tokens
+        for r in self.rows:
+            if self.done[r]:
+                self.pending[r] = []
+
+    def pending_batch(self, fill: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each batch row's pending tokens, right-padded with `fill`: -> tokens (B', T), n_new (B',) long."""
+        lengths = [len(self.pending[r]) for r in self.rows]
+        tokens = torch.full((len(self.rows), max(max(lengths), 1)), fill, dtype=torch.long)
+        for i, r in enumerate(self.rows):
+            if lengths[i]:
+                tokens[i, : lengths[i]] = torch.tensor(self.pending[r], dtype=torch.long)
+        return tokens.to(self.device), torch.tensor(lengths, dtype=torch.long, device=self.device)
+
+    def compact(self) -> None:
+        """Drop finished rows from the batch once they are a quarter of it: they would otherwise ride along
+        in every forward until the slowest row ends (on CPU a forward costs about linearly in the rows).
+        `select` copies the kept rows' cache, so this runs O(log B) times per generation."""
+        keep = [i for i, r in enumerate(self.rows) if not self.done[r]]
+        if len(self.rows) - len(keep) >= max(1, len(self.rows) // 4):
+            self.cache = self.cache.select(keep)
+            self.rows = [self.rows[i] for i in keep]
+
+    def forward(self, feed: Feed):
+        """Run the policy's feed through the model: -> (logits, hidden or None)."""
+        start = time.perf_counter()
+        if feed.mode == "last":
+            logits, hidden = extend_last(self.tr, self.cache, feed.tokens, feed.n_new), None
+        elif feed.mode in ("step", "all"):
+            out = extend(self.tr, self.cache, feed.tokens, logits_at="all", return_hidden=feed.return_hidden)
+            logits, hidden = out if feed.return_hidden else (out, None)
+            logits = logits[:, 0] if feed.mode == "step" else logits
+        else:
+            raise ValueError(f"Feed.mode={feed.mode!r} must be 'step', 'all' or 'last'")
+        synchronize(self.device)
+        self.forward_s.append(time.perf_counter() - start)
+        return logits, hidden
+
+
+@torch.no_grad()
+def run_loop(model, prompts: list[list[int]], policy: LoopPolicy, *, max_new_tokens: int, stats: DecodeStats,
+             eos_token_ids: list[int] | None = None, sampler=None, generator=None, prefilled=None,
+             progress: bool = False, desc: str = "decode") -> TokenLoop:
+    """THE token loop: prefill -> policy.first -> [feed -> forward -> accept -> record] until every row is done.
+
+    prefilled: (cache, last_logits (B, V)) from the caller's own prefill (its time is the caller's).
+    eos_token_ids: tokens that end a row (default: the model's; [] = never stop early). Fills stats.prefill_s
+    (prefill + first pick), stats.step_s (one per forward, top to bottom) and stats.new_tokens.
+    """
+    validate_generation_args(prompts, max_new_tokens)
+    if eos_token_ids is None:
+        eos_token_ids = getattr(model, "eos_token_ids", None) or []
+    loop = TokenLoop(model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, sampler=sampler,
+                     generator=generator)
+    synchronize(loop.device)
+    start = time.perf_counter()
+    if prefilled is None:
+        loop.cache, logits = prefill(loop.tr, prompts, max_new_tokens=max_new_tokens, extra=policy.extra)
+    else:
+        loop.cache, logits = prefilled
+    loop.record(policy.first(loop, logits), policy)
+    policy.end_step(loop)
+    synchronize(loop.device)
+    stats.prefill_s += time.perf_counter() - start
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=max_new_tokens, desc=f"{desc} B={loop.batch}", leave=False)
+    while not all(loop.done):
+        start = time.perf_counter()
+        if policy.compact:
+            loop.compact()
+        logits, hidden = loop.forward(policy.feed(loop))
+        loop.record(policy.accept(loop, logits, hidden), policy)
+        policy.end_step(loop)
+        synchronize(loop.device)
+        stats.step_s.append(time.perf_counter() - start)
+        if bar is not None:
+            bar.update(max(0, max(map(len, loop.tokens)) - bar.n))
+    if bar is not None:
+        bar.close()
+    stats.new_tokens = sum(map(len, loop.tokens))
+    return loop
+
+
+class SamplePolicy(PolicyBase):
+    """Plain decoding: one picked token per row per forward; finished rows ride along (and keep drawing, so a
+    shared generator's stream does not depend on when rows finish). Optionally sums log-probs."""
+
+    def __init__(self, return_logprobs: bool = False):
+        self.return_logprobs = return_logprobs
+        self.logprobs: list[torch.Tensor] = []
+        self.next_tokens = None
+
+    def first(self, loop: TokenLoop, logits: torch.Tensor) -> dict[int, list[int]]:
+        self.next_tokens = loop.pick(logits)
+        if self.return_logprobs:
+            self.logprobs.append(chosen_logprob(logits, self.next_tokens).cpu())
+        return dict(zip(loop.rows, ([t] for t in self.next_tokens.tolist())))
+
+    def feed(self, loop: TokenLoop) -> Feed:
+        return Feed(self.next_tokens[:, None], mode="step")
+
+    def row_logprobs(self, loop: TokenLoop) -> list[float]:
+        """Per row: the sum of log p(token) over its kept tokens."""
+        table = torch.stack(self.logprobs, dim=1)  # (B, steps)
+        return [float(table[row, : len(toks)].sum()) for row, toks in enumerate(loop.tokens)]
 
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampler=None, generator=None,
              eos_token_ids: list[int] | None = None, progress: bool = False, prefilled=None,
              return_logprobs: bool = False) -> GenerationResult:
-    """Batched decoding of ragged prompts with a KV cache.
+    """Batched decoding of ragged prompts with a KV cache (`run_loop` with a `SamplePolicy`).
 
     sampler: a `decodelab.core.sampling.Sampler` (None = greedy argmax); generator: torch.Generator or a list
     of one per row. eos_token_ids: tokens that end a row (default: the model's; [] = never stop early).
@@ -140,51 +352,12 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampl
     return_logprobs: also sum each row's log softmax(logits)[token] over its tokens.
     """
     validate_generation_args(prompts, max_new_tokens)
-    tr = as_transformer(model)
-    if eos_token_ids is None:
-        eos_token_ids = getattr(model, "eos_token_ids", None) or []
-    eos = torch.tensor(eos_token_ids, dtype=torch.long, device=tr.device)
     stats = DecodeStats(batch_size=len(prompts), prompt_tokens=sum(len(p) for p in prompts))
-
-    synchronize(tr.device)
-    start = time.perf_counter()
-    cache, logits = prefilled if prefilled is not None else prefill(tr, prompts, max_new_tokens=max_new_tokens)
-    next_tokens = pick_tokens(logits, sampler, generator)
-    synchronize(tr.device)
-    stats.prefill_s = time.perf_counter() - start
-
-    produced = torch.empty((len(prompts), max_new_tokens), dtype=torch.long, device=tr.device)
-    produced[:, 0] = next_tokens
-    token_logprobs = torch.zeros((len(prompts), max_new_tokens), dtype=torch.float32) if return_logprobs else None
-    if return_logprobs:
-        token_logprobs[:, 0] = chosen_logprob(logits, next_tokens).cpu()
-    done = torch.isin(next_tokens, eos)
-    n_steps = 1
-    steps = range(1, max_new_tokens)
-    if progress:
-        from tqdm.auto import tqdm
-
-        steps = tqdm(steps, desc=f"decode B={len(prompts)}", leave=False)
-    for step in steps:
-        if bool(done.all()):  # the one host sync of a step
-            break
-        start = time.perf_counter()
-        logits = decode_step(tr, cache, next_tokens)
-        next_tokens = pick_tokens(logits, sampler, generator)
-        produced[:, step] = next_tokens
-        if return_logprobs:
-            token_logprobs[:, step] = chosen_logprob(logits, next_tokens).cpu()
-        done |= torch.isin(next_tokens, eos)
-        synchronize(tr.device)
-        stats.step_s.append(time.perf_counter() - start)
-        n_steps += 1
-
-    tokens, finished = trim_at_eos(produced[:, :n_steps], eos_token_ids)
-    stats.new_tokens = sum(len(row) for row in tokens)
-    logprobs = None
-    if return_logprobs:
-        logprobs = [float(token_logprobs[row, : len(toks)].sum()) for row, toks in enumerate(tokens)]
-    return GenerationResult(tokens=tokens, stats=stats, finished=finished, logprobs=logprobs)
+    policy = SamplePolicy(return_logprobs)
+    loop = run_loop(model, prompts, policy, max_new_tokens=max_new_tokens, stats=stats, eos_token_ids=eos_token_ids,
+                    sampler=sampler, generator=generator, prefilled=prefilled, progress=progress)
+    logprobs = policy.row_logprobs(loop) if return_logprobs else None
+    return GenerationResult(tokens=loop.tokens, stats=stats, finished=loop.finished, logprobs=logprobs)
 
 
 def chosen_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -197,14 +370,3 @@ def pick_tokens(logits: torch.Tensor, sampler, generator) -> torch.Tensor:
     if sampler is None:
         return argmax_rows(logits)
     return sampler.sample(logits, generator)
-
-
-def trim_at_eos(produced: torch.Tensor, eos_token_ids: list[int]) -> tuple[list[list[int]], list[bool]]:
-    """(B, N) produced tokens -> per-row lists cut after the first EOS, and whether each row hit one."""
-    eos = set(eos_token_ids)
-    rows, finished = [], []
-    for row in produced.tolist():
-        cut = next((i for i, token in enumerate(row) if token in eos), None)
-        rows.append(row if cut is None else row[: cut + 1])
-        finished.append(cut is not None)
-    return rows, finished

@@ -1,15 +1,91 @@
-"""The per-row KV cache and grouped-query attention over it."""
+"""The cache seam: the `AttentionCache` protocol every KV cache implements, its per-forward `ForwardPlan`,
+the per-row `KVCache`, and grouped-query attention over it.
+
+A forward of T new tokens per row runs, for every cache kind (standard, shared-prefix, tree):
+
+    plan = cache.begin_forward(positions, group=H // K)   # once: span, masks, write slots (one host sync)
+    for each layer:  out = cache.attend(slot, q, k_new, v_new, plan)
+    cache.advance(n_new)                                   # count the valid new positions
+
+and speculative rollback is `cache.truncate(lengths)` (only ever shortening a row: it costs nothing).
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class ForwardPlan:
+    """What every layer of one forward shares, computed once by `begin_forward`.
+
+    positions (B, T): RoPE positions of the new tokens; slots (B, T): where their keys/values are written;
+    span: key positions [0, span) the layers read; visible (B, T, S=span) bool: query t of row b sees key j.
+    The grouped-query mask (B, 1, G*T, S) is built once per group size G and then reused by every layer.
+    """
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    span: int
+    visible: torch.Tensor
+    _grouped: dict = field(default_factory=dict, repr=False)
+
+    def grouped_mask(self, group: int) -> torch.Tensor:
+        """(B, 1, G*T, S) bool: `visible` repeated over the G query heads that share one KV head."""
+        if group not in self._grouped:
+            self._grouped[group] = grouped_mask(self.visible, group)
+        return self._grouped[group]
+
+
+@runtime_checkable
+class AttentionCache(Protocol):
+    """The interface `Transformer.forward` drives (structural: KVCache, SharedPrefixKVCache, TreeCache).
+
+    lengths (B,) long: valid positions per row. positions(T) -> (B, T) positions of the next T tokens.
+    begin_forward(positions, group) -> ForwardPlan, once per forward before any layer attends.
+    attend(slot, q (B, H, T, D), k_new, v_new (B, K, T, D), plan) -> (B, H, T, D), once per layer.
+    advance(n_new (B,)) after the forward; truncate(lengths (B,)) rolls rows back, never forward.
+    """
+
+    lengths: torch.Tensor
+
+    @property
+    def max_len(self) -> int: ...
+
+    def positions(self, n_tokens: int) -> torch.Tensor: ...
+
+    def begin_forward(self, positions: torch.Tensor, group: int = 1) -> ForwardPlan: ...
+
+    def attend(self, slot: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               plan: ForwardPlan) -> torch.Tensor: ...
+
+    def advance(self, n_new: torch.Tensor) -> None: ...
+
+    def truncate(self, new_lengths: torch.Tensor) -> None: ...
+
+
+def check_truncate(new_lengths: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """new_lengths (B,) as `lengths`' dtype/device; ValueError when a row would grow (truncate never writes)."""
+    new_lengths = new_lengths.to(lengths)
+    if bool((new_lengths > lengths).any()):
+        raise ValueError(f"truncate only rolls rows back; got new lengths {new_lengths.tolist()} for current "
+                         f"lengths {lengths.tolist()} (use advance to count written positions)")
+    return new_lengths
+
+
+def causal_visible(span: int, slots: torch.Tensor) -> torch.Tensor:
+    """(B, T) slots -> (B, T, span) bool: query t of row b sees slot j iff j <= slots[b, t]."""
+    return torch.arange(span, device=slots.device)[None, None, :] <= slots[:, :, None]
 
 
 class KVCache:
     """Preallocated per-row KV cache: keys/values (n_layers, B, K, S_max, D), lengths (B,).
 
     Row b's valid entries are positions [0, lengths[b]). Entries past a row's length are scratch:
-    never attended, overwritten by the next write. So rollback is `crop` (set lengths) and costs nothing.
+    never attended, overwritten by the next write. So rollback is `truncate` (set lengths) and costs nothing.
     """
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
@@ -37,20 +113,13 @@ class KVCache:
         per_position = self.keys.shape[0] * self.keys.shape[2] * self.keys.shape[4] * self.keys.element_size() * 2
         return int(self.lengths.sum().item()) * per_position
 
-    def crop(self, new_lengths: torch.Tensor) -> None:
-        """Set each row's length: (B,) long (kept while callers move to `advance` / `truncate`)."""
-        self.lengths = new_lengths.to(self.lengths)
-
     def advance(self, n_new: torch.Tensor) -> None:
         """Count n_new (B,) freshly written positions of each row as valid."""
         self.lengths = self.lengths + n_new.to(self.lengths)
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll rows back to new_lengths (B,) long, each <= the current length (rejected drafts cost nothing)."""
-        new_lengths = new_lengths.to(self.lengths)
-        if bool((new_lengths > self.lengths).any()):
-            raise ValueError("truncate only rolls rows back; a new length exceeds the current one")
-        self.lengths = new_lengths
+        self.lengths = check_truncate(new_lengths, self.lengths)
 
     def select(self, rows: torch.Tensor | list[int]) -> "KVCache":
         """A new cache holding only `rows` (in that order); copies their entries."""
@@ -66,43 +135,57 @@ class KVCache:
         """Cache positions of the next `n_tokens` tokens of each row: (B, T)."""
         return self.lengths[:, None] + torch.arange(n_tokens, device=self.lengths.device)
 
-    def begin_forward(self, positions: torch.Tensor) -> None:
-        """Called once per forward with the new tokens' positions (B, T), before any layer attends.
-
-        Works out what every layer shares (the visible span and mask), so the per-layer `attend` does no
-        host sync. Query t of row b sees cache position j iff j <= positions[b, t].
-        """
+    def begin_forward(self, positions: torch.Tensor, group: int = 1) -> ForwardPlan:
+        """The plan of one forward of tokens at `positions` (B, T): span, visibility and the grouped mask,
+        so the per-layer `attend` does no host sync and builds no mask. Query t of row b sees cache
+        position j iff j <= positions[b, t]."""
         span = int(positions[:, -1].max()) + 1  # the one host sync of a forward
         if span > self.max_len:
             raise ValueError(f"KV cache overflow: need {span} positions, max_len={self.max_len}")
-        self._span = span
-        self._visible = torch.arange(span, device=positions.device)[None, None, :] <= positions[:, :, None]
+        plan = ForwardPlan(positions=positions, slots=positions, span=span, visible=causal_visible(span, positions))
+        plan.grouped_mask(group)
+        return plan
 
     def attend(self, slot: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        """Write this call's keys/values at `positions`, then attend causally over each row's valid prefix.
+               plan: ForwardPlan) -> torch.Tensor:
+        """Write this call's keys/values at the plan's slots, then attend causally over each row's valid prefix.
 
-        q: (B, H, T, D); k_new, v_new: (B, K, T, D); positions: (B, T) -> (B, H, T, D).
+        q: (B, H, T, D); k_new, v_new: (B, K, T, D); plan: from `begin_forward` -> (B, H, T, D).
         """
         keys, values = self.keys[slot], self.values[slot]
         rows = self._rows[:, None]
-        keys[rows, :, positions] = k_new.transpose(1, 2)
-        values[rows, :, positions] = v_new.transpose(1, 2)
-        span = self._span
-        return grouped_attention(q, keys[:, :, :span], values[:, :, :span], self._visible)
+        keys[rows, :, plan.slots] = k_new.transpose(1, 2)
+        values[rows, :, plan.slots] = v_new.transpose(1, 2)
+        span = plan.span
+        mask = plan.grouped_mask(q.shape[1] // keys.shape[1])
+        return grouped_attention_masked(q, keys[:, :, :span], values[:, :, :span], mask)
 
 
-def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention with a boolean visibility mask.
+def grouped_mask(visible: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, T, S) bool -> (B, 1, G*T, S): the mask of the G*T folded queries of one KV head."""
+    batch, n_new, span = visible.shape
+    mask = visible[:, None, :, :].expand(batch, 1, n_new, span)
+    return mask.repeat(1, 1, group, 1) if group > 1 else mask
 
-    q: (B, H, T, D); keys, values: (B, K, S, D); visible: (B, T, S) -> (B, H, T, D).
+
+def grouped_attention_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention with a mask already folded by `grouped_mask`.
+
+    q: (B, H, T, D); keys, values: (B, K, S, D); mask: (B, 1, G*T, S) bool -> (B, H, T, D).
     The H/K query heads sharing one KV head are folded into the query axis, so each KV head is read once.
     """
     batch, n_heads, n_new, head_dim = q.shape
     n_kv = keys.shape[1]
-    group = n_heads // n_kv
-    q = q.reshape(batch, n_kv, group * n_new, head_dim)
-    mask = visible[:, None, :, :].expand(batch, 1, n_new, visible.shape[-1])
-    mask = mask.repeat(1, 1, group, 1) if group > 1 else mask
+    q = q.reshape(batch, n_kv, (n_heads // n_kv) * n_new, head_dim)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     return out.reshape(batch, n_heads, n_new, head_dim)
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention with a boolean visibility mask, folding the mask on every call (a standalone
+    reference; the forward folds it once per forward through its `ForwardPlan`).
+
+    q: (B, H, T, D); keys, values: (B, K, S, D); visible: (B, T, S) -> (B, H, T, D).
+    """
+    return grouped_attention_masked(q, keys, values, grouped_mask(visible, q.shape[1] // keys.shape[1]))

@@ -10,8 +10,8 @@ suffix KV, and attention splits in two (Hydragen, Juravsky et al. 2024; FlashInf
 - suffix part: each row against its own suffix, as usual,
 - the two partial softmaxes are merged exactly with their log-sum-exps (see `merge_attention`).
 
-`SharedPrefixKVCache` has the `KVCache` interface the transformer calls (`positions`, `begin_forward`,
-`attend`, `crop`, `lengths`), so `Transformer.forward` and `engine.decode_step` run on it unchanged.
+`SharedPrefixKVCache` is an `AttentionCache` (`positions`, `begin_forward`, `attend`, `advance`, `truncate`,
+`lengths`), so `Transformer.forward` and `engine.decode_step` run on it unchanged.
 
 Shapes: P distinct prompts, B = sum of n_p rows (the rows of prompt p are contiguous), H query heads,
 K key/value heads, G = H / K, T new tokens per row, S_p prefix positions, S_s suffix positions, D head dim.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decodelab.core.kv_cache import KVCache
+from decodelab.core.kv_cache import ForwardPlan, KVCache, causal_visible, check_truncate, grouped_mask
 
 
 def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
@@ -81,7 +81,8 @@ def shared_prefix_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: t
 
     q: (B, H, T, D); prefix_k, prefix_v: (P, K, S_p, D); prefix_mask: (P, S_p) bool (None = all valid;
     every suffix query sees the whole valid prefix); suffix_k, suffix_v: (B, K, S_s, D);
-    suffix_mask: (B, T, S_s) bool (query t of row b sees suffix slot j); row_counts: P ints summing to B,
+    suffix_mask: (B, T, S_s) bool (query t of row b sees suffix slot j), or already folded by
+    `kv_cache.grouped_mask` (B, 1, G*T, S_s) (the cache folds it once per forward); row_counts: P ints summing to B,
     rows of prompt p are rows [sum(row_counts[:p]), sum(row_counts[:p+1])). -> (B, H, T, D).
 
     Equal to standard attention over the concatenated keys (up to float rounding; see `merge_attention`).
@@ -121,7 +122,7 @@ def shared_prefix_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: t
         out_p, lse_p = torch.cat(outs), torch.cat(lses)
 
     # Suffix: each row against its own keys; the mask (B, T, S_s) repeats over the G folded heads.
-    mask = suffix_mask[:, None, :, :].repeat(1, 1, group, 1) if group > 1 else suffix_mask[:, None]
+    mask = suffix_mask if suffix_mask.dim() == 4 else grouped_mask(suffix_mask, group)
     out_s, lse_s = partial_attention(folded, suffix_k, suffix_v, mask, scale)
 
     wide = lse_p.dtype  # float32 for half-precision inputs, else the input dtype
@@ -135,7 +136,7 @@ class SharedPrefixKVCache:
 
     Same interface as `KVCache` for `Transformer.forward`: row b's absolute positions (for RoPE) continue
     after its prompt, `lengths[b] = prefix_len[prompt of b] + suffix length`. Writes go to the suffix only;
-    cropping into the prompt is refused (the prompt is shared, a row cannot roll it back).
+    truncating into the prompt is refused (the prompt is shared, a row cannot roll it back).
     Build one with `fork(prefix_cache, row_counts, max_new_tokens)` after prefilling the P prompts.
     """
 
@@ -201,12 +202,11 @@ class SharedPrefixKVCache:
         """Absolute positions of the next `n_tokens` of each row: (B, T)."""
         return self.lengths[:, None] + torch.arange(n_tokens, device=self.lengths.device)
 
-    def crop(self, new_lengths: torch.Tensor) -> None:
-        """Roll rows back (absolute lengths (B,)); never below a row's prompt length."""
-        new_lengths = new_lengths.to(self.lengths)
+    def _check_prompt(self, new_lengths: torch.Tensor) -> torch.Tensor:
         if bool((new_lengths < self._row_prefix).any()):
-            raise ValueError("crop below a row's prompt length: the shared prompt KV cannot be rolled back per row")
-        self.lengths = new_lengths
+            raise ValueError(f"truncate to {new_lengths.tolist()} falls below a row's prompt length "
+                             f"{self._row_prefix.tolist()}: the shared prompt KV cannot be rolled back per row")
+        return new_lengths
 
     def advance(self, n_new: torch.Tensor) -> None:
         """Count n_new (B,) freshly written positions of each row as valid."""
@@ -214,13 +214,11 @@ class SharedPrefixKVCache:
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll rows back to new_lengths (B,), never below a row's prompt length nor above its length."""
-        new_lengths = new_lengths.to(self.lengths)
-        if bool((new_lengths > self.lengths).any()):
-            raise ValueError("truncate only rolls rows back; a new length exceeds the current one")
-        self.crop(new_lengths)
+        self.lengths = self._check_prompt(check_truncate(new_lengths, self.lengths))
 
-    def begin_forward(self, positions: torch.Tensor) -> None:
-        """positions (B, T) absolute -> suffix slots; query t of row b sees suffix slot j iff j <= its slot."""
+    def begin_forward(self, positions: torch.Tensor, group: int = 1) -> ForwardPlan:
+        """positions (B, T) absolute -> the plan: suffix slots, span, and the suffix mask folded for `group`
+        query heads per KV head; query t of row b sees suffix slot j iff j <= its slot."""
         slots = positions - self._row_prefix[:, None]
         span = int(slots[:, -1].max()) + 1  # the one host sync of a forward
         if span > self.suffix_keys.shape[3]:
@@ -228,23 +226,25 @@ class SharedPrefixKVCache:
                              f"capacity max_new_tokens={self.suffix_keys.shape[3]}")
         if bool((slots[:, 0] < 0).any()):
             raise ValueError("a shared-prefix cache only appends after the prompt; positions fall inside it")
-        self._slots, self._span = slots, span
-        self._visible = torch.arange(span, device=positions.device)[None, None, :] <= slots[:, :, None]
+        plan = ForwardPlan(positions=positions, slots=slots, span=span, visible=causal_visible(span, slots))
+        plan.grouped_mask(group)
+        return plan
 
     def attend(self, slot: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               plan: ForwardPlan) -> torch.Tensor:
         """Write this call's keys/values into each row's suffix, attend over [shared prompt ; own suffix].
 
-        q: (B, H, T, D); k_new, v_new: (B, K, T, D); positions: (B, T) -> (B, H, T, D).
+        q: (B, H, T, D); k_new, v_new: (B, K, T, D); plan: from `begin_forward` -> (B, H, T, D).
         """
         keys, values = self.suffix_keys[slot], self.suffix_values[slot]
         rows = self._rows[:, None]
-        keys[rows, :, self._slots] = k_new.transpose(1, 2)
-        values[rows, :, self._slots] = v_new.transpose(1, 2)
-        span = self._span
+        keys[rows, :, plan.slots] = k_new.transpose(1, 2)
+        values[rows, :, plan.slots] = v_new.transpose(1, 2)
+        span = plan.span
+        mask = plan.grouped_mask(q.shape[1] // keys.shape[1])
         return shared_prefix_attention(
             q, self.prefix_keys[slot], self.prefix_values[slot], keys[:, :, :span], values[:, :, :span],
-            self._visible, row_counts=self.row_counts, prefix_mask=self._prefix_mask)
+            mask, row_counts=self.row_counts, prefix_mask=self._prefix_mask)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from decodelab.core.kv_cache import KVCache
+from decodelab.core.kv_cache import AttentionCache, ForwardPlan, KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -102,7 +102,8 @@ class Transformer(torch.nn.Module):
         """(B, T) -> (B, T, E)"""
         return self.embed_tokens(tokens)
 
-    def _attention(self, layer, slot: int, x: torch.Tensor, cos, sin, cache, positions) -> torch.Tensor:
+    def _attention(self, layer, slot: int, x: torch.Tensor, cos, sin, cache: AttentionCache,
+                   plan: ForwardPlan) -> torch.Tensor:
         attn = layer.self_attn
         batch, n_new, _ = x.shape
         q = attn.q_proj(x).view(batch, n_new, self.n_heads, self.head_dim)
@@ -114,25 +115,27 @@ class Transformer(torch.nn.Module):
         # RoPE: x * cos + rotate_half(x) * sin, with cos/sin (B, 1, T, D) for each row's own positions.
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = cache.attend(slot, q, k, v, positions)
+        out = cache.attend(slot, q, k, v, plan)
         return attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
 
-    def hidden_states(self, tokens: torch.Tensor, cache, *, layers=None) -> torch.Tensor:
-        """Run the decoder stack (or the `layers` subset) on tokens: (B, T) -> final-normed (B, T, E)."""
+    def hidden_states(self, tokens: torch.Tensor, cache: AttentionCache, *, layers=None) -> torch.Tensor:
+        """Run the decoder stack (or the `layers` subset) on tokens: (B, T) -> final-normed (B, T, E).
+
+        Writes the tokens' keys/values into `cache` but leaves its lengths alone (`forward` advances them)."""
         positions = cache.positions(tokens.shape[1])
-        cache.begin_forward(positions)
+        plan = cache.begin_forward(positions, group=self.n_heads // self.n_kv_heads)  # once per forward
         x = self.embed_tokens(tokens)
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
         layer_ids = range(self.n_layers) if layers is None else layers
         for slot, index in enumerate(layer_ids):
             layer = self.layers[index]
-            x = x + self._attention(layer, slot, layer.input_layernorm(x), cos, sin, cache, positions)
+            x = x + self._attention(layer, slot, layer.input_layernorm(x), cos, sin, cache, plan)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.final_norm(x)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, cache, *, n_new: torch.Tensor | None = None, layers=None,
+    def forward(self, tokens: torch.Tensor, cache: AttentionCache, *, n_new: torch.Tensor | None = None, layers=None,
                 logits_at: str = "all", return_hidden: bool = False):
         """Append `tokens` to each row of `cache` and return logits.
 
@@ -144,7 +147,7 @@ class Transformer(torch.nn.Module):
         if n_new is None:
             n_new = torch.full((batch,), n_tokens, dtype=torch.long, device=tokens.device)
         hidden = self.hidden_states(tokens, cache, layers=layers)
-        cache.crop(cache.lengths + n_new)
+        cache.advance(n_new)
         if logits_at == "all":
             logits = self.lm_head(hidden)
         elif logits_at == "last":

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 
+from decodelab.core.kv_cache import ForwardPlan, check_truncate, grouped_attention_masked
+
 
 class TreeCache:
-    """A KV cache for scoring a token tree in chunks: same `attend` interface as `transformer.KVCache`.
+    """A KV cache for scoring a token tree in chunks: an `AttentionCache` like `KVCache`.
 
     Slots [0, P) hold the prompt; trie node i (i >= 1) lives in slot P + i - 1. A chunk of nodes sees the
     prompt plus each node's ancestors (and itself); RoPE positions are P + depth - 1. Batch size 1.
@@ -35,7 +37,12 @@ class TreeCache:
         assert stop - start == n_tokens
         return (self.prompt_len + self._depths[start:stop] - 1)[None].to(self.lengths.device)
 
-    def begin_forward(self, positions: torch.Tensor) -> None:
+    @property
+    def max_len(self) -> int:
+        return self.base.max_len
+
+    def begin_forward(self, positions: torch.Tensor, group: int = 1) -> ForwardPlan:
+        """The chunk's plan: write slots P + i - 1, and a mask showing each node the prompt + its ancestors."""
         start, stop = self._chunk
         span = self.prompt_len + stop - 1
         if span > self.base.max_len:
@@ -43,19 +50,25 @@ class TreeCache:
         visible = torch.zeros(1, stop - start, span, dtype=torch.bool)
         visible[0, :, : self.prompt_len] = True
         visible[0, :, self.prompt_len:] = self._ancestors[start:stop, : stop - 1]
-        self._visible = visible.to(self.lengths.device)
-        self._span = span
+        device = self.lengths.device
+        slots = torch.arange(self.prompt_len + start - 1, self.prompt_len + stop - 1, device=device)[None]
+        plan = ForwardPlan(positions=positions, slots=slots, span=span, visible=visible.to(device))
+        plan.grouped_mask(group)
+        return plan
 
-    def attend(self, slot, q, k_new, v_new, positions):
+    def attend(self, slot: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               plan: ForwardPlan) -> torch.Tensor:
         """Write the chunk's keys/values at their slots, attend over prompt + ancestors. Shapes as KVCache.attend."""
-        from decodelab.core.kv_cache import grouped_attention
-
-        start, stop = self._chunk
-        where = torch.arange(self.prompt_len + start - 1, self.prompt_len + stop - 1, device=q.device)
         keys, values = self.base.keys[slot], self.base.values[slot]
+        where = plan.slots[0]
         keys[0, :, where] = k_new[0]
         values[0, :, where] = v_new[0]
-        return grouped_attention(q, keys[:, :, : self._span], values[:, :, : self._span], self._visible)
+        mask = plan.grouped_mask(q.shape[1] // keys.shape[1])
+        return grouped_attention_masked(q, keys[:, :, : plan.span], values[:, :, : plan.span], mask)
 
-    def crop(self, new_lengths: torch.Tensor) -> None:
-        self.lengths = new_lengths.to(self.lengths)
+    def advance(self, n_new: torch.Tensor) -> None:
+        """Count the chunk's nodes (the tree's slots are fixed by node index; lengths only keep the count)."""
+        self.lengths = self.lengths + n_new.to(self.lengths)
+
+    def truncate(self, new_lengths: torch.Tensor) -> None:
+        self.lengths = check_truncate(new_lengths, self.lengths)

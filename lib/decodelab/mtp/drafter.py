@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import torch
 
+from decodelab.core.transformer import head_dim_of
 from decodelab.mtp.model import MTPModel, decoder_layer
 
 
 # -- drafting ----------------------------------------------------------------------------------------
 def layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, slot: int,
-               positions: torch.Tensor, config) -> torch.Tensor:
+               plan, config) -> torch.Tensor:
     """`layer_forward` with a KV cache (decodelab.core.kv_cache.KVCache slot): (B, T, D) -> (B, T, D).
 
-    cos, sin: (B, 1, T, d_head) for `positions` (B, T); `cache.begin_forward(positions)` must have run.
+    cos, sin: (B, 1, T, d_head) for the plan's positions; plan: `cache.begin_forward(positions, group)`.
     """
-    return decoder_layer(layer, x, cos, sin, config, lambda q, k, v: cache.attend(slot, q, k, v, positions))
+    return decoder_layer(layer, x, cos, sin, config, lambda q, k, v: cache.attend(slot, q, k, v, plan))
 
 
 class MTPDrafter:
@@ -26,9 +27,8 @@ class MTPDrafter:
     (more are padding, marked by `lengths`).
 
     The heads attend over every earlier position, so they need the target's state at *every* position
-    it caches, not only the last. Two ways in give them that: a loop that calls `observe` after each
-    target forward (`self_speculative_generate`), or the DraftContext fields `new_hidden` (B, T, D) +
-    `new_hidden_lengths` (B,), which `decodelab.speculation.decode.generate` fills for `needs_hidden` drafters.
+    it caches, not only the last: the DraftContext fields `new_hidden` (B, T, D) + `new_hidden_lengths` (B,),
+    which the speculative policy on the engine's loop fills for `needs_hidden` drafters, give them that.
     A loop that sets only `ctx.last_hidden` makes the drafter observe that one position per step:
     proposals stay valid, but the heads' context has gaps and acceptance drops.
     DeepSeek modules draft with depth 1 only (module 2 would need an unverified draft as input).
@@ -51,8 +51,7 @@ class MTPDrafter:
         from decodelab.core.kv_cache import KVCache
 
         tc = self.model.trunk.config
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        self.cache = KVCache(len(self.model.heads), len(prompts), tc.num_key_value_heads, head_dim, max_len,
+        self.cache = KVCache(len(self.model.heads), len(prompts), tc.num_key_value_heads, head_dim_of(tc), max_len,
                              dtype=self.model.trunk.dtype, device=self.model.device)
         self._last, self._fed = None, False
 
@@ -63,7 +62,8 @@ class MTPDrafter:
         model, cache = self.model, self.cache
         n_new = n_new.to(cache.lengths)
         positions = cache.positions(hidden.shape[1])
-        cache.begin_forward(positions)
+        tc = model.trunk.config
+        plan = cache.begin_forward(positions, group=tc.num_attention_heads // tc.num_key_value_heads)
         cos, sin = model.trunk.model.rotary_emb(hidden, positions)
         cos, sin = cos[:, None].to(hidden.dtype), sin[:, None].to(hidden.dtype)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
@@ -74,9 +74,9 @@ class MTPDrafter:
                 x, layer = hidden, module
             else:  # depth-1 module: [RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]
                 x, layer = module.combine(hidden, model.trunk.model.embed_tokens(next_tokens)), module.block
-            out = layer_step(layer, x, cos, sin, cache, slot, positions, model.trunk.config)
+            out = layer_step(layer, x, cos, sin, cache, slot, plan, model.trunk.config)
             states.append(out[rows, last])
-        cache.crop(cache.lengths + n_new)
+        cache.advance(n_new)
         new_last = torch.stack(states)  # (n_heads - 1, B, D)
         keep = (n_new > 0)[None, :, None]
         self._last = new_last if self._last is None else torch.where(keep, new_last, self._last)
@@ -139,11 +139,11 @@ class MTPDrafter:
 
 
 def load_mtp_drafter(checkpoint_dir, *, device=None, trunk=None) -> MTPDrafter:
-    """A checkpoint written by `mtp_train.save_checkpoint` -> its heads as an `MTPDrafter`.
+    """A checkpoint written by `decodelab.mtp.checkpoint.save_checkpoint` -> its heads as an `MTPDrafter`.
 
     From-scratch checkpoints carry their trunk (`drafter.target()` is the model to verify with);
     retrofit checkpoints load the frozen model they name, or use `trunk` (a LlamaForCausalLM) if given.
     """
-    from decodelab.mtp.train import load_checkpoint
+    from decodelab.mtp.checkpoint import load_checkpoint
 
     return MTPDrafter(load_checkpoint(checkpoint_dir, device=device, trunk=trunk))

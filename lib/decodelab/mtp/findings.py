@@ -18,8 +18,8 @@ def retrofit_report(results: list[dict], draft_rows: list[dict]) -> dict:
     """{config: {"head_accuracy": [head 1 (the frozen LM head), head 2, ...], "head_2_accuracy",
     "head_loss": [...], "draft": [{"batch", "tau", "acceptance", "speedup", "greedy_match"}]}}.
 
-    results: `mtp_train.train_and_evaluate` outputs of the retrofit configs; draft_rows:
-    `mtp_train.self_spec_benchmark` rows (rows of other models are ignored).
+    results: `decodelab.mtp.experiment.train_and_evaluate` outputs of the retrofit configs; draft_rows:
+    `decodelab.mtp.cost.self_spec_benchmark` rows (rows of other models are ignored).
     """
     out = {}
     for r in results:
@@ -57,7 +57,7 @@ def frozen_next_token_loss(results: list[dict], model: str | None = None) -> dic
     -> {"model", "mean", "ci95" (bootstrap over validation blocks), "configs"}; None without retrofit results.
     Raises ValueError if two configs disagree, which would mean the trunk did not stay frozen.
     """
-    from decodelab.mtp.train import bootstrap_mean
+    from decodelab.mtp.experiment import bootstrap_mean
 
     if not results:
         return None

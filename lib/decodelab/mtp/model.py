@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodelab.core.transformer import rotate_half
+from decodelab.core.transformer import head_dim_of, rotate_half
 
 STYLES = ("gloeckle", "deepseek")
 
@@ -65,6 +65,11 @@ class MTPConfig:
         return asdict(self)
 
 
+def config_name(style: str, n_heads: int) -> str:
+    """"ntp" for the next-token baseline, else "<style>-<n>" (e.g. "gloeckle-4")."""
+    return "ntp" if n_heads == 1 else f"{style}-{n_heads}"
+
+
 def trunk_layers(n_layers: int, n_heads: int, match_params: bool = True) -> int:
     """Trunk depth: with match_params, the n - 1 extra head layers are taken from an n_layers budget."""
     trunk = n_layers - (n_heads - 1) if match_params else n_layers
@@ -93,6 +98,15 @@ def build_trunk(*, vocab_size: int, d_model: int, n_layers: int, n_attn_heads: i
         return LlamaForCausalLM(config)
 
 
+def build_model(*, vocab_size: int, d_model: int, n_layers: int, n_heads: int, style: str = "gloeckle",
+                match_params: bool = True, n_attn_heads: int = 4, n_kv_heads: int = 2, max_len: int = 1024,
+                mtp_weight: float | None = None, seed: int = 0) -> "MTPModel":
+    """A from-scratch MTP model; with match_params the n - 1 head layers come out of the n_layers budget."""
+    trunk = build_trunk(vocab_size=vocab_size, d_model=d_model, n_attn_heads=n_attn_heads, n_kv_heads=n_kv_heads,
+                        n_layers=trunk_layers(n_layers, n_heads, match_params), max_len=max_len, seed=seed)
+    return MTPModel(trunk, MTPConfig(style=style, n_heads=n_heads, mtp_weight=mtp_weight), seed=seed)
+
+
 def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config, attend) -> torch.Tensor:
     """A Llama decoder layer, (B, T, D) -> (B, T, D): x + Attn(norm(x)), then + MLP(norm(.)).
 
@@ -103,7 +117,7 @@ def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     attn = layer.self_attn
     batch, n_tok, _ = x.shape
     n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    head_dim = head_dim_of(config)
     y = layer.input_layernorm(x)
     q = attn.q_proj(y).view(batch, n_tok, n_heads, head_dim).transpose(1, 2)
     k = attn.k_proj(y).view(batch, n_tok, n_kv, head_dim).transpose(1, 2)

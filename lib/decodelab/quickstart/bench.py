@@ -5,14 +5,14 @@ disabled (neither stops a row early), in the model's dtype, timed by ONE outer w
 whole call (prefill included) on each side. Repeats interleave the sides (ours, hf, ours, hf, ...);
 each side keeps its fastest call and reports the spread (slowest / fastest). Throughput counts the
 tokens each side actually returned, and `identical_rows` compares full rows token for token.
-`decodelab bench decode` writes the table.
+
+The settings (batch sizes, new tokens, repeats, model) have one home: notebook 00's parameters cell,
+with the profile deltas in notebooks/params/quickstart/. `decodelab bench decode` (decodelab.suite.bench_cli)
+runs these functions with those settings and writes the table.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -30,16 +30,13 @@ BENCH_QUESTIONS = [
     "Summarize the plot of Romeo and Juliet in one paragraph.",
 ]
 WARMUP_TOKENS = 2  # one untimed call per side and batch size: allocations for that shape happen here
-BATCH_SIZES = [1, 4, 16, 64]
-MAX_NEW_TOKENS = 128
-REPEATS = 3  # timed calls per side and batch size
 
 
 def chat_prompts(tokenizer, questions: list[str] = BENCH_QUESTIONS) -> list[list[int]]:
     """One chat-formatted prompt per question (ragged lengths)."""
-    from decodelab.workloads.tasks import chat_prompt_ids
+    from decodelab.workloads.prompts import user_prompt_ids
 
-    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    return [user_prompt_ids(tokenizer, q) for q in questions]
 
 
 def prompt_batch(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
@@ -97,7 +94,7 @@ def identical_rows(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(row_a == row_b for row_a, row_b in zip(a, b))
 
 
-def compare_greedy(model, prompts: list[list[int]], max_new_tokens: int, *, repeats: int = REPEATS) -> list[dict]:
+def compare_greedy(model, prompts: list[list[int]], max_new_tokens: int, *, repeats: int) -> list[dict]:
     """Time both sides on one batch, interleaved: -> one row per side (see `decode_throughput`)."""
     for fn in IMPLS.values():
         fn(model, prompts, WARMUP_TOKENS)
@@ -120,7 +117,7 @@ def compare_greedy(model, prompts: list[list[int]], max_new_tokens: int, *, repe
     return rows
 
 
-def decode_throughput(model, batch_sizes: list[int], max_new_tokens: int = MAX_NEW_TOKENS, *, repeats: int = REPEATS,
+def decode_throughput(model, batch_sizes: list[int], max_new_tokens: int, *, repeats: int,
                       prompts: list[list[int]] | None = None, progress: bool = True) -> list[dict]:
     """Greedy tokens/s of our engine and of HF `generate()` per batch size, and whether outputs agree.
 
@@ -170,72 +167,3 @@ def markdown_table(table: list[dict]) -> str:
             f"| {e['ours_seconds']:.2f}-{e['ours_seconds_max']:.2f} | {e['hf_seconds']:.2f}-{e['hf_seconds_max']:.2f} "
             f"| {e['ours_new_tokens']} / {e['hf_new_tokens']} | {e['identical_rows']} |")
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------- the command
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
-    return value
-
-
-def batch_size_list(text: str) -> list[int]:
-    try:
-        values = [int(b) for b in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be comma-separated integers, each >= 1, e.g. 1,4,16,64")
-    return values
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="decodelab bench", description="Benchmarks of the decode engine.")
-    parser.add_argument("what", choices=["decode"], help="decode: tokens/s of our engine vs transformers generate()")
-    parser.add_argument("--model", default="smollm2-135m", help="embedded name, local path or hub id")
-    parser.add_argument("--batch-sizes", type=batch_size_list, default=BATCH_SIZES,
-                        help=f"comma-separated, each >= 1 (default {','.join(map(str, BATCH_SIZES))})")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=MAX_NEW_TOKENS,
-                        help=f"tokens per row, >= 1 (default {MAX_NEW_TOKENS})")
-    parser.add_argument("--repeats", type=positive_int, default=REPEATS,
-                        help=f"timed calls per side and batch size, interleaved, >= 1; the fastest is kept "
-                             f"(default {REPEATS})")
-    parser.add_argument("--out", default=None, help="output folder (default results/bench/decode-<stamp>-<rand>)")
-    args = parser.parse_args(argv)
-
-    from decodelab.core.models import load_model
-    from decodelab.suite import provenance, runs
-
-    try:  # the folder first: a bad results location fails before the model loads
-        out = Path(args.out) if args.out else runs.new_run_dir("bench", prefix="decode-")
-        out.mkdir(parents=True, exist_ok=True)
-    except (OSError, ValueError) as error:
-        where = f"argument --out: {args.out!r}" if args.out else "the results folder ($DECODELAB_RESULTS or results/)"
-        parser.error(f"{where} cannot hold the benchmark's folder ({error}); give a writable folder")
-    try:
-        model = load_model(args.model)
-    except ValueError as error:
-        if not args.out:
-            out.rmdir()  # the fresh run folder is still empty: leave no trace of a run that never started
-        parser.error(f"argument --model: {error}")
-    load = provenance.LoadSampler().start()  # the machine's load while the sides are timed
-    rows = decode_throughput(model, args.batch_sizes, args.max_new_tokens, repeats=args.repeats)
-    table = ratio_table(rows)
-    import pandas as pd
-
-    pd.DataFrame(rows).to_csv(out / "decode.csv", index=False)
-    (out / "decode.md").write_text(markdown_table(table) + "\n")
-    env = provenance.collect_env(params={**vars(args), "model_device": str(model.device),
-                                         "model_dtype": str(model.transformer.dtype)},
-                                 load=load.stop())
-    (out / "env.json").write_text(json.dumps(env, indent=2, default=str))
-    print(markdown_table(table))
-    if env["load"]["loaded"]:
-        print(f"\nloaded: 1-min load peaked at {env['load']['peak_1min']:.1f} on {env['load']['cores']} cores; "
-              "timings not comparable")
-    print(f"\nwritten to {out}")
-    return 0

@@ -1,40 +1,25 @@
-"""A fair comparison of samplers: run a task under a grid of sampler settings, then tabulate, tune
-and judge the settings with intervals over units.
+"""A fair comparison of samplers, part one: the grid of sampler settings and the runner that generates
+under all of them in shared batches.
 
 `run_grid` runs a task under a grid of sampler settings (`sampler_grid`): every (setting, prompt,
 sample) is a row of shared batches with per-row sampler configs and a per-(prompt, sample) generator
-stream that is the same under every setting, so comparisons between samplers are paired.
+stream (`decodelab.common.seeding.row_seed`) that is the same under every setting, so comparisons
+between samplers are paired. A setting is named by its structured key (`setting_key`), never by
+formatting a label string.
 
-Sections: the grid runner; per-setting tables of `run_grid` frames (cross-fitted tuning); quality vs
-diversity on open-ended writing (Pareto frontiers, matched-diversity differences). The verdict rows
-built from these tables (paired intervals, minimum detectable differences, generated sentences) are
-in `verdicts`.
+The per-setting tables and cross-fitted tuning of `run_grid` frames are in `tables`; quality vs
+diversity on open-ended writing in `writing`; the verdict rows in `verdicts`.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
-import torch
 
-from decodelab.common.stats import bootstrap_ci, interpolate_at, pareto_frontier
-from decodelab.sampling_study.metrics import (
-    Embedder,
-    coherence,
-    distinct_n,
-    embedding_diversity,
-    judge_nll,
-    load_embedder,
-    self_bleu,
-    words,
-)
+from decodelab.common.seeding import row_generator
 from decodelab.workloads.tasks import ArithmeticProblem, extract_answer
-
-if TYPE_CHECKING:  # annotations only: pandas is imported where a function needs it
-    import pandas as pd
 
 # --- running a task under a grid of sampler settings ---------------------------------------------
 
@@ -123,13 +108,6 @@ def order_grid(settings: dict[str, float], temperatures: list[float]) -> list[Se
             for order in ("hf", truncate_first_order(name))]
 
 
-def row_seed(seed: int, unit: int, sample: int) -> int:
-    """The generator seed of (unit, sample): shared by every setting, so draws are paired across samplers.
-    A hash, so streams of different (seed, unit, sample) never coincide in practice."""
-    digest = hashlib.sha256(f"decodelab-row-{seed}-{unit}-{sample}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1  # torch seeds are < 2**64; keep it positive
-
-
 def run_grid(
     model, prompts: list[list[int]], settings: list[Setting], *, n_samples: int = 1, max_new_tokens: int = 128,
     seed: int = 0, batch_size: int = 64, n_units: Sequence[int] | None = None, progress: bool = True,
@@ -148,7 +126,6 @@ def run_grid(
     tokens); list of DecodeStats).
     """
     import pandas as pd
-    import torch
 
     from decodelab.core.sampling import Sampler
     from decodelab.core.shared_prefix import generate_shared
@@ -177,7 +154,7 @@ def run_grid(
         units = list(dict.fromkeys(u for _, u, _ in batch))
         counts = [sum(1 for _, u, _ in batch if u == unit) for unit in units]
         sampler = Sampler([settings[s].config for s, _, _ in batch], order=settings[batch[0][0]].order)
-        gens = [torch.Generator(device=model.device).manual_seed(row_seed(seed, u, j)) for _, u, j in batch]
+        gens = [row_generator(seed, u, j, device=model.device) for _, u, j in batch]
         result = generate_shared(model, [prompts[u] for u in units], counts, max_new_tokens=max_new_tokens,
                                  sampler=sampler, generator=gens)
         stats.append(result.stats)
@@ -258,223 +235,18 @@ def score_arithmetic(frame, problems: list[ArithmeticProblem], tokenizer):
     return frame
 
 
-# --- per-setting tables from run_grid frames ---------------------------------------------------------
-# A frame has one row per generation with columns setting, sampler, param, temperature, order, label,
-# unit, sample and the metric columns. The unit of resampling is always the unit (problem / prompt):
-# samples of one unit share it, so they are averaged first.
+# --- the frame run_grid returns ----------------------------------------------------------------------
+# One row per generation: the setting's columns below, then unit, sample and the metric columns.
 
 SETTING_COLUMNS = ["setting", "sampler", "param", "temperature", "order", "label"]
-
-
-def unit_matrix(frame, value: str) -> tuple[list[int], np.ndarray]:
-    """(setting ids, (S, U) array): the mean of `value` over samples, per setting and unit."""
-    table = frame.groupby(["setting", "unit"])[value].mean().unstack("unit")
-    return list(table.index), table.to_numpy(dtype=float)
-
-
-def setting_table(frame, value: str, *, n_boot: int = 2000, seed: int = 0):
-    """One row per setting: its columns, `value` averaged over units, and a bootstrap CI over units."""
-    import pandas as pd
-
-    ids, matrix = unit_matrix(frame, value)
-    info = frame.drop_duplicates("setting").set_index("setting")
-    rows = []
-    for sid, per_unit in zip(ids, matrix):
-        ran = per_unit[~np.isnan(per_unit)]  # the units this setting ran on
-        est, low, high = bootstrap_ci(ran, n_boot=n_boot, seed=seed)
-        row = {c: info.loc[sid, c] for c in SETTING_COLUMNS if c != "setting"}
-        rows.append(dict(setting=sid, **row, **{value: est, "ci_low": low, "ci_high": high, "n_units": len(ran)}))
-    return pd.DataFrame(rows)
-
-
-def cross_fit_best(matrix: np.ndarray, *, seed: int = 0, folds: int = 2) -> tuple[np.ndarray, list[int]]:
-    """Tuned performance without selection bias. matrix: (k settings, n units), higher is better.
-
-    Units are split into `folds` random folds; each fold is scored with the setting that is best on the
-    other folds (first on ties). Returns (per-unit values (n,), the setting chosen for each fold).
-    Every sampler gets the same k, so the tuning budget is equal by construction.
-    """
-    k, n = matrix.shape
-    if n < folds:
-        raise ValueError(f"units={n} must be >= folds={folds} for cross-fitting")
-    fold_of = np.random.default_rng(seed).permutation(n) % folds
-    values, chosen = np.empty(n), []
-    for f in range(folds):
-        best = int(np.argmax(matrix[:, fold_of != f].mean(axis=1)))
-        values[fold_of == f] = matrix[best, fold_of == f]
-        chosen.append(best)
-    return values, chosen
 
 
 def setting_key(sampler: str, param: float | None, temperature: float, order: str = "hf") -> tuple:
     """A setting's structured key (sampler, param, temperature, order name): how verdicts look settings
     up (never by formatting a label string). Numbers as floats, a missing param as None."""
-    return (sampler, None if _is_missing(param) else float(param), float(temperature), order)
+    return (sampler, None if is_missing(param) else float(param), float(temperature), order)
 
 
-def per_unit_values(frame, value: str) -> dict[tuple, "pd.Series"]:
-    """{setting_key: pd.Series of `value` averaged over samples, indexed by unit} for every setting in
-    `frame` (a setting's series holds only the units it ran on)."""
-    out = {}
-    for (sampler, param, temperature, order), group in frame.groupby(
-            ["sampler", "param", "temperature", "order"], dropna=False, sort=False):
-        out[setting_key(sampler, param, temperature, order)] = group.groupby("unit")[value].mean()
-    return out
-
-
-def tuned_per_unit(frame, value: str, *, seed: int = 0) -> dict[tuple[str, float, str], tuple["pd.Series", list]]:
-    """{(sampler, temperature, order): (cross-fitted per-unit values as a Series indexed by unit, chosen
-    params)} over each sampler's grid at each temperature (baselines have a one-setting grid). Every
-    setting of one grid must have run on the same units."""
-    import pandas as pd
-
-    out = {}
-    for (sampler, temperature, order), group in frame.groupby(["sampler", "temperature", "order"], sort=False):
-        ids, matrix = unit_matrix(group, value)
-        units = group.groupby(["setting", "unit"])[value].mean().unstack("unit").columns.to_numpy()
-        ran = ~np.isnan(matrix).all(axis=0)
-        if np.isnan(matrix[:, ran]).any():
-            raise ValueError(f"the {sampler} grid at T={temperature} ({order}) ran its settings on different "
-                             f"units: cross-fitting needs every setting on the same units")
-        values, chosen = cross_fit_best(matrix[:, ran], seed=seed)
-        params = group.drop_duplicates("setting").set_index("setting").loc[[ids[c] for c in chosen], "param"]
-        out[(sampler, float(temperature), order)] = (pd.Series(values, index=units[ran]),
-                                                     [None if _is_missing(p) else float(p) for p in params])
-    return out
-
-
-def _is_missing(value) -> bool:
+def is_missing(value) -> bool:
+    """Whether a frame's param cell holds no value (None, or the NaN pandas stores for it)."""
     return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def tuned_table(tuned: dict, *, n_boot: int = 2000, seed: int = 0):
-    """tuned_per_unit's dict -> one row per (sampler, temperature, order): the cross-fitted value, its
-    bootstrap CI over units, the number of units, and the parameter chosen in each fold."""
-    import pandas as pd
-
-    rows = []
-    for (sampler, temperature, order), (values, chosen) in tuned.items():
-        est, low, high = bootstrap_ci(np.asarray(values, dtype=float), n_boot=n_boot, seed=seed)
-        rows.append({"sampler": sampler, "temperature": temperature, "order": order, "value": est,
-                     "ci_low": low, "ci_high": high, "n_units": len(values), "chosen": chosen})
-    return pd.DataFrame(rows)
-
-
-def flip(diff: dict) -> dict:
-    """{difference, ci_low, ci_high} of a - b -> the same for b - a."""
-    return {**diff, "difference": -diff["difference"], "ci_low": -diff["ci_high"], "ci_high": -diff["ci_low"]}
-
-
-# --- quality vs diversity on open-ended writing ------------------------------------------------------
-
-
-def writing_scores(frame, prompt_texts: Sequence[str], tokenizer, *, embedder: Embedder | None = None,
-                   judge=None, judge_batch_size: int = 16):
-    """Per generation: text, n_words, coherence (cos of prompt and continuation embeddings) and
-    judge_nll: mean token NLL under `judge` (a LoadedModel), or with judge=None under the generating
-    model itself from run_grid's `logprob` column. Returns a copy of run_grid's frame with these columns."""
-    frame = frame.copy()
-    frame["text"] = [tokenizer.decode(t, skip_special_tokens=True) for t in frame["tokens"]]
-    frame["n_words"] = [len(words(t)) for t in frame["text"]]
-    embedder = embedder or load_embedder()
-    cont = embedder(list(frame["text"]))
-    prompt_emb = embedder(list(prompt_texts))
-    frame["coherence"] = coherence(prompt_emb[list(frame["unit"])], cont).numpy()
-    frame["_embedding"] = list(cont.numpy())
-    if judge is not None:
-        frame["judge_nll"] = judge_nll(judge, [prompt_texts[u] for u in frame["unit"]], list(frame["text"]),
-                                       batch_size=judge_batch_size).numpy()
-    elif "logprob" in frame:
-        # the generating model as its own judge: its T = 1 log-probs were recorded while sampling, so
-        # the NLL costs no extra forward pass (it counts the EOS token when one was produced)
-        frame["judge_nll"] = -frame["logprob"] / frame["n_tokens"].clip(lower=1)
-    return frame
-
-
-def diversity_per_unit(frame):
-    """Per (setting, unit), over the unit's samples: embedding diversity, self-BLEU, distinct-1/2/3,
-    and the mean quality columns present (coherence, judge_nll). Needs n_samples >= 2."""
-    import pandas as pd
-
-    rows = []
-    quality = [c for c in ("coherence", "judge_nll", "n_words") if c in frame]
-    for (_setting, unit), group in frame.groupby(["setting", "unit"]):
-        if len(group) < 2:
-            continue
-        texts = [words(t) for t in group["text"]]
-        row = {c: group[c].iloc[0] for c in SETTING_COLUMNS}
-        row.update(unit=unit, embedding_diversity=embedding_diversity(torch.tensor(np.stack(group["_embedding"]))),
-                   self_bleu=self_bleu(texts), **{f"distinct_{n}": distinct_n(texts, n) for n in (1, 2, 3)},
-                   **{c: float(group[c].mean()) for c in quality})
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def setting_points(per_unit, x: str, y: str):
-    """Mean of x and y per setting (a point of the quality-diversity plane), with setting columns."""
-    cols = [c for c in SETTING_COLUMNS if c in per_unit]
-    return per_unit.groupby(cols, dropna=False)[[x, y]].mean().reset_index()
-
-
-def frontiers(points, x: str, y: str, *, maximize_y: bool = True) -> dict[str, list[dict]]:
-    """{sampler: its Pareto frontier points [{param, temperature, x, y}] sorted by x}, x maximized,
-    y maximized (or minimized with maximize_y=False, e.g. judge NLL)."""
-    out = {}
-    for sampler, group in points.groupby("sampler", sort=False):
-        group = group.reset_index(drop=True)
-        ys = group[y] if maximize_y else -group[y]
-        keep = pareto_frontier(group[x], ys)
-        out[sampler] = [
-            {"param": None if _is_missing(group.loc[i, "param"]) else float(group.loc[i, "param"]),
-             "temperature": float(group.loc[i, "temperature"]), x: float(group.loc[i, x]), y: float(group.loc[i, y])}
-            for i in keep
-        ]
-    return out
-
-
-def matched_target(front_a: list[dict], front_b: list[dict], x: str) -> float:
-    """Middle of the x-range both frontiers cover (NaN when they do not overlap)."""
-    lo = max(min(p[x] for p in front_a), min(p[x] for p in front_b))
-    hi = min(max(p[x] for p in front_a), max(p[x] for p in front_b))
-    return (lo + hi) / 2 if lo <= hi else float("nan")
-
-
-def _frontier_value(xs: np.ndarray, ys: np.ndarray, target: float, maximize_y: bool) -> float:
-    """y at x = target on the Pareto frontier of the points (xs, ys)."""
-    signed = ys if maximize_y else -ys
-    keep = pareto_frontier(xs, signed)
-    value = interpolate_at(xs[keep], signed[keep], target)
-    return value if maximize_y else -value
-
-
-def _config_unit_matrices(per_unit, sampler: str, x: str, y: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(units,), X (configs, units), Y (configs, units) for one sampler's settings."""
-    g = per_unit[per_unit["sampler"] == sampler]
-    X = g.pivot_table(index="setting", columns="unit", values=x)
-    Y = g.pivot_table(index="setting", columns="unit", values=y).loc[X.index, X.columns]
-    return X.columns.to_numpy(), X.to_numpy(dtype=float), Y.to_numpy(dtype=float)
-
-
-def matched_quality_diff(per_unit, a: str, b: str, x: str, y: str, target: float, *, maximize_y: bool = True,
-                         n_boot: int = 1000, seed: int = 0) -> dict:
-    """Quality y of sampler a minus sampler b at the same diversity x = target, each read off its own
-    Pareto frontier (linear between frontier points, no extrapolation). Paired bootstrap over units:
-    both samplers' points are recomputed from the same resampled units. Returns {difference, ci_low,
-    ci_high, n_valid (bootstrap draws where both frontiers reach the target)}."""
-    ua, Xa, Ya = _config_unit_matrices(per_unit, a, x, y)
-    ub, Xb, Yb = _config_unit_matrices(per_unit, b, x, y)
-    if not np.array_equal(ua, ub):
-        raise ValueError(f"samplers {a!r} and {b!r} were not run on the same units: cannot pair them")
-
-    def diff(idx):
-        va = _frontier_value(np.nanmean(Xa[:, idx], 1), np.nanmean(Ya[:, idx], 1), target, maximize_y)
-        vb = _frontier_value(np.nanmean(Xb[:, idx], 1), np.nanmean(Yb[:, idx], 1), target, maximize_y)
-        return va - vb
-
-    n = len(ua)
-    estimate = diff(np.arange(n))
-    rng = np.random.default_rng(seed)
-    boots = np.array([diff(rng.integers(0, n, size=n)) for _ in range(n_boot)])
-    boots = boots[~np.isnan(boots)]
-    low, high = np.quantile(boots, [0.025, 0.975]) if len(boots) else (float("nan"), float("nan"))
-    return {"difference": float(estimate), "ci_low": float(low), "ci_high": float(high), "n_valid": int(len(boots))}

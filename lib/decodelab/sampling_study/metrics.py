@@ -1,10 +1,9 @@
-"""Diversity, quality and uncertainty for sampled text: distinct-n, self-BLEU, embedding diversity,
-coherence, judge NLL, paired bootstrap intervals, power and sample size of paired comparisons,
-Pareto frontiers.
+"""Diversity and quality of sampled text: distinct-n, self-BLEU, embedding diversity, coherence,
+judge NLL.
 
-Sections: lexical diversity; sentence embeddings; judge NLL; statistics (bootstrap, Pareto,
-interpolation). What a truncation sampler keeps is in `truncation`; the per-setting tables, tuning
-and verdicts of the sampler-grid study are in `sampling_study`.
+Sections: lexical diversity; sentence embeddings; judge NLL. The statistics (bootstrap, power, Pareto,
+interpolation) are in `decodelab.common.stats`; what a truncation sampler keeps is in `truncation`;
+the per-setting tables and tuning of the sampler-grid study are in `tables`, its verdicts in `verdicts`.
 
 Conventions: a "set" of texts is what one sampler setting produced (for one prompt, or pooled);
 higher is more diverse for distinct-n and embedding diversity, LOWER is more diverse for self-BLEU.
@@ -186,11 +185,9 @@ def judge_nll(judge, prompt_texts: Sequence[str], continuation_texts: Sequence[s
               batch_size: int = 16) -> torch.Tensor:
     """Mean token NLL of each continuation text under a judge `LoadedModel`, given the prompt as a chat
     user turn in the judge's own template (so any judge tokenizer works). -> (N,)"""
+    from decodelab.workloads.prompts import user_prompt_ids
+
     tok = judge.tokenizer
-    prompts = [
-        tok(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
-            add_special_tokens=False).input_ids
-        for p in prompt_texts
-    ]
+    prompts = [user_prompt_ids(tok, p) for p in prompt_texts]
     continuations = [tok(c, add_special_tokens=False).input_ids for c in continuation_texts]
     return continuation_nll(judge.hf_model, prompts, continuations, batch_size=batch_size)

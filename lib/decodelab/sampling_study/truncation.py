@@ -49,7 +49,9 @@ def collect_step_logits(model, prompts: list[list[int]], continuations: list[lis
     wanted: dict[int, list[int]] = {}
     for i, t in steps:
         wanted.setdefault(i, []).append(t)
-    tr = model.transformer if hasattr(model, "transformer") else model
+    from decodelab.core.engine import as_transformer, extend
+
+    tr = as_transformer(model)
     out = []
     rows = sorted(wanted)
     for start in range(0, len(rows), batch_size):
@@ -62,7 +64,7 @@ def collect_step_logits(model, prompts: list[list[int]], continuations: list[lis
         for r, s in enumerate(seqs):
             tokens[r, : len(s)] = torch.tensor(s)
         n_new = torch.tensor([len(s) for s in seqs])
-        logits = tr.forward(tokens.to(tr.device), cache, n_new=n_new.to(tr.device), logits_at="all")
+        logits = extend(tr, cache, tokens.to(tr.device), n_new=n_new.to(tr.device), logits_at="all")
         for r, i in enumerate(chunk):
             positions = [len(prompts[i]) - 1 + t for t in wanted[i]]
             out.append(logits[r, positions].float().cpu())
@@ -171,17 +173,6 @@ def kept_set_disagreement(logits: torch.Tensor, config, order_a="hf", order_b="v
 # --- sampler cost -----------------------------------------------------------------------------------
 
 
-def _best_time(fn, repeats: int) -> float:
-    import time
-
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 @torch.no_grad()
 def sampler_cost(model, samplers: dict, *, batch_size: int = 64, context: int = 256, repeats: int = 5,
                  seed: int = 0) -> list[dict]:
@@ -194,28 +185,24 @@ def sampler_cost(model, samplers: dict, *, batch_size: int = 64, context: int = 
     compute. The logits sampled are the ones that step returns.
     -> [{sampler, batch_size, vocab_size, context, sample_s, step_s, ratio}]
     """
-    from decodelab.core.engine import decode_step, synchronize
+    from decodelab.common.timing import best_time
+    from decodelab.core.engine import as_transformer, decode_step
 
-    tr = model.transformer if hasattr(model, "transformer") else model
+    tr = as_transformer(model)
     cache = tr.new_cache(batch_size, context + repeats + 2)
-    cache.crop(torch.full((batch_size,), context, dtype=torch.long, device=tr.device))
+    cache.advance(torch.full((batch_size,), context, dtype=torch.long, device=tr.device))  # unwritten: see above
     tokens = torch.randint(0, tr.vocab_size, (batch_size,), generator=torch.Generator().manual_seed(seed)).to(tr.device)
     logits = decode_step(tr, cache, tokens)
     gens = [torch.Generator(device=tr.device).manual_seed(seed + r) for r in range(batch_size)]
 
-    def one_step():
-        decode_step(tr, cache, tokens)
-        synchronize(tr.device)
-
-    step_s = _best_time(one_step, repeats)
+    step_s = best_time(lambda: decode_step(tr, cache, tokens), repeats, tr.device)
     rows = []
     for name, sampler in samplers.items():
-        def one_sample():
+        def one_sample(sampler=sampler):
             sampler.sample(logits, gens)
-            synchronize(tr.device)
 
         one_sample()  # warm up
-        sample_s = _best_time(one_sample, repeats)
+        sample_s = best_time(one_sample, repeats, tr.device)
         rows.append({"sampler": name, "batch_size": batch_size, "vocab_size": int(logits.shape[-1]),
                      "context": context, "sample_s": sample_s, "step_s": step_s, "ratio": sample_s / step_s})
     return rows

@@ -7,7 +7,10 @@ sentences a notebook prints, all generated from the numbers.
     print(verdicts.verdict_text(row))          # "...: +8.3 points, 95% CI [...] over 128 units: holds."
     print(verdicts.verdict_summary(rows))      # "Of 4 main verdicts, 2 hold, ..."
 
-The power arithmetic (z * sd / sqrt(n), the MDD, required pairs) is in `metrics`.
+The power arithmetic (z * sd / sqrt(n), the MDD, required pairs) is in `decodelab.common.stats`.
+Notebook 02's own claims are built here too (`accuracy_claims`, `writing_claims`): settings are looked
+up by their structured keys (`grid.setting_key`, `tables.tuned_per_unit`'s (sampler, temperature,
+order)), never by formatting a label string.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from decodelab.common.stats import (
     sd_of_differences,
     z_value,
 )
+from decodelab.sampling_study.grid import setting_key
 
 # --- verdict rows ----------------------------------------------------------------------------------
 
@@ -54,9 +58,9 @@ def claim(text: str, a, b, *, key: dict | None = None, main: bool = False, unit:
     Row: claim, key (structured: what is compared), main, unit, estimate, lo, hi (percentile bootstrap
     over units), half_width ((hi - lo) / 2), n_units, sd_diff (sd of per-unit differences),
     normal_half_width (z * sd / sqrt(n) with the planning sd), mdd (the difference this many units
-    detect with probability `power`, metrics.minimum_detectable_difference), required_units (units for
+    detect with probability `power`, stats.minimum_detectable_difference), required_units (units for
     a half-width of target_half_width), finding, holds. For values in [0, 1] the MDD, normal_half_width
-    and required_units use metrics.planning_sd (at least one discordant unit's spread), so a sample
+    and required_units use stats.planning_sd (at least one discordant unit's spread), so a sample
     with no observed disagreement never claims to resolve every difference."""
     a, b = paired(a, b)
     if len(a) == 0:
@@ -78,7 +82,7 @@ def claim_from_diff(text: str, diff: dict, *, n_units: int, key: dict | None = N
                     power: float = 0.8) -> dict:
     """A verdict row (as `claim`) from a {difference, ci_low, ci_high} dict whose claim is "difference
     > 0", e.g. a bootstrap of a frontier statistic: the MDD comes from the interval's width
-    (metrics.mdd_from_interval) and required_units scales n_units by (half_width / target)^2."""
+    (stats.mdd_from_interval) and required_units scales n_units by (half_width / target)^2."""
     low, high = diff["ci_low"], diff["ci_high"]
     if not (math.isfinite(low) and math.isfinite(high)):
         return {**_row(text, key, main, unit, diff["difference"], None, None, n_units, None, None, None),
@@ -103,6 +107,75 @@ def _row(text, key, main, unit, estimate, low, high, n, sd, mdd, needed) -> dict
 
 def _float(value) -> float | None:
     return None if value is None or not math.isfinite(float(value)) else float(value)
+
+
+# --- notebook 02's claims ------------------------------------------------------------------------------
+
+PAPER_SETTINGS = (("min_p", 0.1), ("top_p", 0.9))  # the min-p paper's own pair of untuned settings
+
+
+def accuracy_claims(tuned: dict, untuned: dict, *, temperatures, main_temperatures, order_settings: dict,
+                    order_temperatures, n_boot: int = 2000, seed: int = 0,
+                    target_half_width: float | None = None) -> list[dict]:
+    """The accuracy verdict rows of notebook 02, in order: tuned min-p vs tuned top-p at each temperature
+    (main at `main_temperatures`); the paper's settings (PAPER_SETTINGS) at each temperature above 1 where
+    both ran; greedy vs tuned min-p and top-p at T = 1 (when 1 is a temperature); and for each
+    {sampler: value} of `order_settings` at each of `order_temperatures`, truncation first vs temperature
+    first.
+
+    tuned: `tables.tuned_per_unit` of the frame ({(sampler, temperature, order): (per-unit Series, chosen)});
+    untuned: `tables.per_unit_values` of it ({setting_key: per-unit Series})."""
+    def per_unit(sampler, temperature, order="hf"):
+        return tuned[(sampler, float(temperature), order)][0]
+
+    options = dict(n_boot=n_boot, seed=seed, target_half_width=target_half_width)
+    rows = [claim(f"tuned min-p beats tuned top-p on accuracy at T={t:g}", per_unit("min_p", t), per_unit("top_p", t),
+                  key={"kind": "tuned", "a": "min_p", "b": "top_p", "temperature": t},
+                  main=t in main_temperatures, **options)
+            for t in temperatures]
+    (name_a, value_a), (name_b, value_b) = PAPER_SETTINGS
+    for t in temperatures:
+        a, b = setting_key(name_a, value_a, t), setting_key(name_b, value_b, t)
+        if t > 1 and a in untuned and b in untuned:
+            rows.append(claim(
+                f"untuned {name_a}={value_a:g} beats {name_b}={value_b:g} at T={t:g} (the min-p paper's settings)",
+                untuned[a], untuned[b], main=t in main_temperatures, **options,
+                key={"kind": "paper_settings", "a": f"{name_a}={value_a:g}", "b": f"{name_b}={value_b:g}",
+                     "temperature": t}))
+    if 1.0 in temperatures:
+        rows += [claim(f"greedy beats tuned {name} at T=1", per_unit("greedy", 0.0), per_unit(name, 1.0),
+                       key={"kind": "greedy", "a": "greedy", "b": name, "temperature": 1.0}, **options)
+                 for name in ("min_p", "top_p")]
+    for name, value in order_settings.items():
+        for t in order_temperatures:
+            rows.append(claim(
+                f"{name}={value:g} at T={t:g}: truncating before temperature beats temperature first",
+                untuned[setting_key(name, value, t, "truncate_first")], untuned[setting_key(name, value, t)],
+                key={"kind": "order", "a": "truncate_first", "b": "hf", "sampler": name, "param": value,
+                     "temperature": t}, **options))
+    return rows
+
+
+def writing_claims(per_prompt, pareto: dict, quality, *, n_units: int, x: str = "embedding_diversity",
+                   n_boot: int = 1000, seed: int = 0) -> list[dict]:
+    """Per quality column of `quality`: "min-p is better than top-p at matched diversity x", read off
+    each sampler's Pareto frontier (`writing.matched_quality_diff` at the middle of the x-range both
+    frontiers cover). Lower is better for judge_nll (the difference is flipped so that "> 0" still
+    means min-p is better), higher for the others. pareto: {quality: `writing.frontiers`}."""
+    from decodelab.sampling_study.writing import flip, matched_quality_diff, matched_target
+
+    rows = []
+    for q in quality:
+        target = matched_target(pareto[q]["min_p"], pareto[q]["top_p"], x)
+        d = matched_quality_diff(per_prompt, "min_p", "top_p", x, q, target, maximize_y=(q != "judge_nll"),
+                                 n_boot=n_boot, seed=seed)
+        d = flip(d) if q == "judge_nll" else d  # the claim is always "min-p is better": lower NLL
+        sense = "lower judge NLL" if q == "judge_nll" else "higher coherence"
+        at = f"{target:.3f}" if np.isfinite(target) else "(none: the frontiers do not overlap)"
+        rows.append(claim_from_diff(
+            f"min-p has {sense} than top-p at matched {x.replace('_', ' ')} {at}", d, n_units=n_units,
+            key={"kind": "writing", "a": "min_p", "b": "top_p", "quality": q, "diversity": target}))
+    return rows
 
 
 # --- verdicts as text, generated from the rows ---------------------------------------------------------

@@ -25,10 +25,10 @@ def next_token_logits(model, prompt: str, answer_start: str = "") -> NextToken:
     """The model's next-token logits after a chat user turn `prompt` and the beginning of its answer
     `answer_start` (mid-sentence distributions are the interesting ones) -> NextToken."""
     from decodelab.core.engine import prefill
+    from decodelab.workloads.prompts import chat_text
 
     tok = model.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-    text += answer_start
+    text = chat_text(tok, [{"role": "user", "content": prompt}]) + answer_start
     ids = tok(text, add_special_tokens=False).input_ids
     _, logits = prefill(model, [ids], max_new_tokens=1)
     return NextToken(context=text, logits=logits[0].float().cpu())

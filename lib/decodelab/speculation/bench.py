@@ -1,6 +1,6 @@
 """Experiments around `decodelab.speculation.decode`: workloads, step-time calibration, the method grid,
 transformers side by side, and notebook 01's goal rows and generated sentences. Notebook 01 calls
-these; the decoding itself lives in `speculative`.
+these; the decoding itself lives in `decodelab.speculation.decode`.
 
 Timing on a shared machine is noisy (other processes steal whole time slices), and noise only ever
 adds time. So every measurement here repeats and keeps the *minimum*, and runs being compared are
@@ -8,11 +8,10 @@ interleaved (plain, A, B, plain, A, B, ...) so a burst of background load hits e
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
-from decodelab.core.engine import as_transformer, synchronize, verify_step
+from decodelab.common.timing import timed
+from decodelab.core.engine import as_transformer, verify_step
 from decodelab.speculation.decode import SpecStats, generate, prefill
 
 
@@ -24,8 +23,8 @@ def measure_step_times(model, batch_sizes, n_tokens=(1, 2, 3, 5, 9), *, context:
 
     Repeats are interleaved over the n of one batch (n=1, 2, 3, ..., n=1, 2, 3, ...) and each point keeps
     the minimum: background load only adds time, so the minimum is the machine's own step time, and
-    interleaving keeps a burst of load from landing on one n only. The cache is filled by cropping (its
-    contents are zeros, which costs the same as real keys), so no prefill is paid.
+    interleaving keeps a burst of load from landing on one n only. The cache is filled by advancing its
+    lengths over zeros (which cost the same as real keys), so no prefill is paid; each step is rolled back.
     -> rows {batch, n_tokens, context, seconds (min of repeats), seconds_median}.
     """
     import statistics
@@ -44,6 +43,7 @@ def measure_step_times(model, batch_sizes, n_tokens=(1, 2, 3, 5, 9), *, context:
         ns = [n for n in n_tokens if not max_tokens or b * n <= max(max_tokens, 2 * b)]
         cache = tr.new_cache(b, context + max(n_tokens) + 1, n_layers=n_layers)
         base = torch.full((b,), context, dtype=torch.long, device=tr.device)
+        cache.advance(base)
         tokens = {}
         for n in ns:
             gen = torch.Generator(device=tr.device).manual_seed(b * 100 + n)
@@ -51,13 +51,10 @@ def measure_step_times(model, batch_sizes, n_tokens=(1, 2, 3, 5, 9), *, context:
         times = {n: [] for n in ns}
         for rep in range(repeats + 1):  # round 0 warms up
             for n in ns:
-                cache.crop(base)
-                synchronize(tr.device)
-                start = time.perf_counter()
-                verify_step(tr, cache, tokens[n], layers=layers)
-                synchronize(tr.device)
+                cache.truncate(base)
+                _, seconds = timed(lambda n=n: verify_step(tr, cache, tokens[n], layers=layers), tr.device)
                 if rep:
-                    times[n].append(time.perf_counter() - start)
+                    times[n].append(seconds)
         rows += [{"batch": b, "n_tokens": n, "context": context, "seconds": min(times[n]),
                   "seconds_median": statistics.median(times[n])} for n in ns]
     return rows
@@ -163,11 +160,7 @@ def hf_side_by_side(model, prompts: list[list[int]], *, k: int, max_new_tokens: 
         best: dict = {}
         for _ in range(repeats):
             for impl, method, call in calls:
-                synchronize(device)
-                start = time.perf_counter()
-                new = call()
-                synchronize(device)
-                seconds = time.perf_counter() - start
+                new, seconds = timed(call, device)
                 if (impl, method) not in best or seconds < best[impl, method][0]:
                     best[impl, method] = (seconds, new)
         ref = best["hf", "plain"][1]

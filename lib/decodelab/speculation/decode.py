@@ -6,7 +6,7 @@ One step for B rows, each with a pending token x (chosen by the target, not yet 
     logits                <- verify_step(target, cache, [x, d_1..d_k]) (B, k+1, V): logits[:, i]
                              is the target's distribution p_{i+1} for the token after d_i (d_0 = x)
     n_b accepted, next_b  <- greedy_verify / rejection_verify
-    row b emits d_1..d_{n_b}, next_b; its cache is cropped to old + 1 + n_b (ragged advance)
+    row b emits d_1..d_{n_b}, next_b; its cache is truncated to old + 1 + n_b (ragged advance)
 
 Greedy: accept while d_i == argmax p_i; next = argmax p_{n+1} (the correction, or the bonus token
 when all k drafts were accepted). Output equals plain greedy decoding token for token.
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decodelab.core.engine import DecodeStats, as_transformer, pad_prompts, synchronize, verify_step
+from decodelab.core import engine
+from decodelab.core.engine import DecodeStats, Feed, PolicyBase, TokenLoop, as_transformer, synchronize
 from decodelab.speculation.drafters import DraftContext, Drafter
 from decodelab.speculation.policy import K_CHOICES
 from decodelab.speculation.verify import greedy_verify, rejection_verify, verify_uniforms
@@ -30,7 +31,7 @@ from decodelab.speculation.verify import greedy_verify, rejection_verify, verify
 
 @dataclass
 class Prefilled:
-    """A target prefill that several runs can share: `generate` crops the cache back to the prompts.
+    """A target prefill that several runs can share: `generate` truncates the cache back to the prompts.
 
     cache: KVCache sized for the longest prompt + max_new_tokens + max k + 1; last_logits (B, V);
     last_hidden (B, D) (final-normed state at each prompt's last token); prompt_lengths (B,)."""
@@ -50,16 +51,15 @@ class Prefilled:
 def prefill(model, prompts: list[list[int]], *, max_new_tokens: int, max_k: int = max(K_CHOICES)) -> Prefilled:
     """Prefill ragged prompts once: -> Prefilled (cache room for max_new_tokens + max_k + 1 more)."""
     tr = as_transformer(model)
-    tokens, lengths = pad_prompts(prompts, tr.device)
     synchronize(tr.device)
     start = time.perf_counter()
-    cache = tr.new_cache(len(prompts), tokens.shape[1] + max_new_tokens + max_k + 1)
-    _, hidden = tr.forward(tokens, cache, n_new=lengths, logits_at="none", return_hidden=True)
+    cache, last_logits, hidden = engine.prefill(tr, prompts, max_new_tokens=max_new_tokens, extra=max_k + 1,
+                                                return_hidden=True)
+    lengths = cache.lengths.clone()
     last_hidden = hidden[torch.arange(len(prompts), device=tr.device), lengths - 1]
-    last_logits = tr.lm_head(last_hidden)
     synchronize(tr.device)
     return Prefilled(prompts=[list(p) for p in prompts], cache=cache, last_logits=last_logits,
-                     last_hidden=last_hidden, prompt_hidden=hidden, prompt_lengths=lengths.clone(),
+                     last_hidden=last_hidden, prompt_hidden=hidden, prompt_lengths=lengths,
                      prefill_s=time.perf_counter() - start, max_new_tokens=max_new_tokens, max_k=max_k)
 
 
@@ -172,13 +172,128 @@ def verify(logits: torch.Tensor, proposal, sampler, generator) -> tuple[torch.Te
     return n, nxt
 
 
+class SpeculativePolicy(PolicyBase):
+    """The speculative step as a `LoopPolicy` of the engine's token loop.
+
+    feed: choose k (fixed or the adaptive policy), draft, and feed [pending, d_1..d_k] per row (or the
+    pending token alone: a plain step). accept: verify, keep pending + n_b drafts of row b in the cache
+    (`truncate`), emit d_1..d_{n_b} + next. end_step: park finished rows at their prompt (their scratch
+    writes then always fit) and let the adaptive policy learn from the step's measured seconds.
+    """
+
+    def __init__(self, drafter, k, policy, prefilled: Prefilled, stats: SpecStats, sampler, generator):
+        self.drafter, self.k, self.policy = drafter, k, policy
+        self.prefilled, self.stats = prefilled, stats
+        self.sampler, self.generator = sampler, generator
+        self.needs_hidden = bool(getattr(drafter, "needs_hidden", False))
+        self.draft_sampler = None if sampler is None or sampler.is_greedy else sampler
+
+    def first(self, loop: TokenLoop, logits: torch.Tensor) -> dict[int, list[int]]:
+        self.pending = engine.pick_tokens(logits, self.sampler, self.generator)  # (B,)
+        self.last_hidden = self.prefilled.last_hidden
+        self.unseen_hidden = [(self.prefilled.prompt_hidden, self.prefilled.prompt_lengths)]
+        if self.drafter is not None:
+            self.drafter.begin(loop.prompts, max_len=loop.cache.max_len)
+        if self.policy is not None:
+            self.policy.begin(loop.batch)
+        self.rows = torch.arange(loop.batch, device=loop.device)
+        self.step_k, self.proposal = None, None
+        return {b: [t] for b, t in enumerate(self.pending.tolist())}
+
+    def feed(self, loop: TokenLoop) -> Feed:
+        # one clock per step, top to bottom: the policy's decision and update are charged like drafting
+        stats, cache, device = self.stats, loop.cache, loop.device
+        self.start = time.perf_counter()
+        self.active = torch.tensor([not d for d in loop.done], device=device)
+        n_active = loop.batch - sum(loop.done)
+        self.context = cache.lengths.float().mean().item() if self.policy is not None else 0.0
+        step_k = self.policy.choose_k(n_active, context=self.context) if self.policy is not None else self.k
+        self.t_policy = time.perf_counter()
+        if step_k > len(stats.reached):  # deeper drafts than K_CHOICES: grow the per-position counters
+            grow = step_k - len(stats.reached)
+            stats.reached += [0] * grow
+            stats.accepted += [0] * grow
+        self.old = cache.lengths.clone()
+        proposal = None
+        if step_k > 0 and self.drafter is not None:
+            ctx = DraftContext(tokens=loop.sequences, last_hidden=self.last_hidden if self.needs_hidden else None,
+                               active=self.active, sampler=self.draft_sampler, generator=self.generator)
+            if self.needs_hidden:
+                ctx.new_hidden, ctx.new_hidden_lengths = _pack_hidden(self.unseen_hidden)
+                self.unseen_hidden = []
+            proposal = _trim(self.drafter.propose(ctx, step_k), self.active)
+            step_k = proposal.k  # rows without real drafts everywhere: verify fewer (or zero) positions
+        synchronize(device)
+        self.t_draft = time.perf_counter()
+        self.proposal = proposal
+        if step_k == 0 or proposal is None:
+            self.step_k = 0
+            return Feed(self.pending[:, None], mode="step", return_hidden=self.needs_hidden)
+        self.step_k = step_k
+        inputs = torch.cat([self.pending[:, None], proposal.tokens.to(device)], dim=1)  # (B, k+1)
+        return Feed(inputs, mode="all", return_hidden=self.needs_hidden)
+
+    def accept(self, loop: TokenLoop, logits: torch.Tensor, hidden) -> dict[int, list[int]]:
+        stats, proposal, active, B = self.stats, self.proposal, self.active, loop.batch
+        if self.step_k == 0:
+            n = torch.zeros(B, dtype=torch.long, device=loop.device)
+            nxt = engine.pick_tokens(logits, self.sampler, self.generator)
+            drafts_list = None
+        else:
+            n, nxt = verify(logits, proposal, self.sampler, self.generator)
+            drafts_list = proposal.tokens.tolist()
+        # ragged advance: row b keeps pending + n_b drafts; finished rows stay where they were
+        loop.cache.truncate(torch.where(active, self.old + 1 + n, self.old))
+        if proposal is not None:  # (a proposal trimmed to k = 0 still drafted: roll it back to nothing)
+            self.drafter.rollback(torch.where(active, n, torch.zeros_like(n)))
+        if self.needs_hidden:
+            self.last_hidden = torch.where(active[:, None], hidden[self.rows, n], self.last_hidden)
+            self.unseen_hidden.append((hidden, torch.where(active, n + 1, torch.zeros_like(n))))
+        n_list, next_list = n.tolist(), nxt.tolist()  # host sync
+        self.t_verify = time.perf_counter()
+        step_k = self.step_k
+        has_lengths = step_k > 0 and proposal.lengths is not None
+        self.lengths = proposal.lengths.tolist() if has_lengths else [step_k] * B
+        self.n = n
+        emitted = {}
+        for b in loop.alive:
+            nb = n_list[b]
+            stats.row_steps += 1
+            stats.emitted += nb + 1
+            for i in range(min(nb + 1, self.lengths[b], step_k)):
+                stats.reached[i] += 1
+                stats.accepted[i] += int(i < nb)
+            emitted[b] = (drafts_list[b][:nb] if drafts_list is not None else []) + [next_list[b]]
+        return emitted
+
+    def end_step(self, loop: TokenLoop) -> None:
+        if self.step_k is None:  # after the prefill: nothing was drafted yet
+            return
+        cache = loop.cache
+        if any(loop.done):  # park finished rows at their prompt: their scratch writes then always fit
+            parked = torch.tensor(loop.done, device=loop.device)
+            cache.truncate(torch.where(parked, self.prefilled.prompt_lengths, cache.lengths))
+        policy_s = self.t_policy - self.start
+        if self.policy is not None:
+            t_update = time.perf_counter()
+            # the policy learns from the draft and verify seconds (its model predicts those), not its own
+            self.policy.update(self.step_k, self.n, self.active, self.t_verify - self.t_policy,
+                               self.t_draft - self.t_policy, lengths=self.lengths, context=self.context)
+            policy_s += time.perf_counter() - t_update
+        self.pending = torch.tensor([s[-1] for s in loop.sequences], device=loop.device)
+        self.stats.step_k.append(self.step_k)
+        self.stats.draft_s.append(self.t_draft - self.t_policy)
+        self.stats.verify_s.append(self.t_verify - self.t_draft)
+        self.stats.policy_s.append(policy_s)
+
+
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | None = None, *, k=4,
              max_new_tokens: int = 64, sampler=None, generator: torch.Generator | list[torch.Generator] | None = None,
              eos_token_ids: list[int] | None = None, prefilled: Prefilled | None = None,
-             progress: bool = False) -> SpecResult:
+             progress: bool = False, name: str | None = None) -> SpecResult:
     """Batched speculative decoding: draft k tokens per row, verify them in one target step, keep the
-    accepted prefix (+ correction or bonus token) per row, crop the rest of the KV cache.
+    accepted prefix (+ correction or bonus token) per row, truncate the rest of the KV cache.
 
     model: LoadedModel or Transformer (the target). drafter: any `Drafter` (None -> plain decoding).
     k: int >= 0 drafts per step (0 = plain decode steps), or an `AdaptivePolicy` choosing k per step.
@@ -186,8 +301,10 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
     per row as `engine.generate` takes (row b then draws every number it uses from generator[b]: its plain
     steps draw exactly what engine.generate's would, and with a fixed k its stream does not depend on the
     other rows of the batch).
-    prefilled: a `Prefilled` of the same prompts to reuse (its cache is cropped back to the prompts).
+    prefilled: a `Prefilled` of the same prompts to reuse (its cache is truncated back to the prompts).
+    name: the label in SpecStats.drafter (default: the drafter's name, "plain" without one).
     Greedy output equals plain greedy decoding token for token; sampled output has the target's law.
+    The loop is the engine's (`engine.run_loop`); this module contributes the `SpeculativePolicy`.
     """
     policy = k if hasattr(k, "choose_k") else None
     if policy is None:
@@ -197,12 +314,8 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
     if drafter is not None and not isinstance(drafter, Drafter):
         raise ValueError(f"drafter={drafter!r} does not implement decodelab.speculation.drafters.Drafter "
                          "(name, needs_hidden, begin, propose, rollback)")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    engine.validate_generation_args(prompts, max_new_tokens)
     tr = as_transformer(model)
-    if eos_token_ids is None:
-        eos_token_ids = getattr(model, "eos_token_ids", None) or []
-    eos = set(eos_token_ids)
     k_max = max(policy.ks) if policy is not None else k
     if prefilled is None:
         if prompts is None:
@@ -212,120 +325,13 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
         raise ValueError(f"prefilled has room for max_new_tokens={prefilled.max_new_tokens}, max_k={prefilled.max_k}; "
                          f"this run needs {max_new_tokens} and {k_max}")
     prompts = prefilled.prompts
-    B = len(prompts)
-    if isinstance(generator, (list, tuple)) and len(generator) != B:
-        raise ValueError(f"generator: got a list of {len(generator)} generators, need one per row ({B} prompts)")
-    cache = prefilled.cache
-    cache.crop(prefilled.prompt_lengths.clone())
-    device = tr.device
-    stats = SpecStats(batch_size=B, prompt_tokens=sum(map(len, prompts)), drafter=getattr(drafter, "name", "plain"),
-                      prefill_s=prefilled.prefill_s)
-
-    from decodelab.core.engine import pick_tokens
-
-    pending = pick_tokens(prefilled.last_logits, sampler, generator)  # (B,)
-    last_hidden = prefilled.last_hidden
-    unseen_hidden = [(prefilled.prompt_hidden, prefilled.prompt_lengths)]  # for needs_hidden drafters
-    seqs = [list(p) + [t] for p, t in zip(prompts, pending.tolist())]
-    generated = [[t] for t in pending.tolist()]
-    done = [t in eos or max_new_tokens <= 1 for t in pending.tolist()]
-    if drafter is not None:
-        drafter.begin(prompts, max_len=cache.max_len)
-    if policy is not None:
-        policy.begin(B)
-    needs_hidden = bool(getattr(drafter, "needs_hidden", False))
-    draft_sampler = None if sampler is None or sampler.is_greedy else sampler
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=max_new_tokens, desc=f"{stats.drafter} B={B}", leave=False)
-    rows = torch.arange(B, device=device)
-    while not all(done):
-        # one clock per step, top to bottom: the policy's decision and update are charged like drafting
-        synchronize(device)
-        start = time.perf_counter()
-        active_list = [not d for d in done]
-        active = torch.tensor(active_list, device=device)
-        n_active = sum(active_list)
-        context = cache.lengths.float().mean().item() if policy is not None else 0.0
-        step_k = policy.choose_k(n_active, context=context) if policy is not None else k
-        t_policy = time.perf_counter()
-        if step_k > len(stats.reached):  # deeper drafts than K_CHOICES: grow the per-position counters
-            grow = step_k - len(stats.reached)
-            stats.reached += [0] * grow
-            stats.accepted += [0] * grow
-        old = cache.lengths.clone()
-        proposal = None
-        if step_k > 0 and drafter is not None:
-            ctx = DraftContext(tokens=seqs, last_hidden=last_hidden if needs_hidden else None,
-                               active=active, sampler=draft_sampler, generator=generator)
-            if needs_hidden:
-                ctx.new_hidden, ctx.new_hidden_lengths = _pack_hidden(unseen_hidden)
-                unseen_hidden = []
-            proposal = _trim(drafter.propose(ctx, step_k), active)
-            step_k = proposal.k  # rows without real drafts everywhere: verify fewer (or zero) positions
-        synchronize(device)
-        t_draft = time.perf_counter()
-        if step_k == 0 or proposal is None:
-            step_k = 0
-            out = tr.forward(pending[:, None], cache, logits_at="all", return_hidden=needs_hidden)
-            logits, hidden = out if needs_hidden else (out, None)
-            n = torch.zeros(B, dtype=torch.long, device=device)
-            nxt = pick_tokens(logits[:, 0], sampler, generator)
-            drafts_list = None
-        else:
-            inputs = torch.cat([pending[:, None], proposal.tokens.to(device)], dim=1)  # (B, k+1)
-            out = verify_step(tr, cache, inputs, return_hidden=needs_hidden)
-            logits, hidden = out if needs_hidden else (out, None)
-            n, nxt = verify(logits, proposal, sampler, generator)
-            drafts_list = proposal.tokens.tolist()
-        # ragged advance: row b keeps pending + n_b drafts; finished rows stay where they were
-        cache.crop(torch.where(active, old + 1 + n, old))
-        if proposal is not None:  # (a proposal trimmed to k = 0 still drafted: roll it back to nothing)
-            drafter.rollback(torch.where(active, n, torch.zeros_like(n)))
-        if needs_hidden:
-            last_hidden = torch.where(active[:, None], hidden[rows, n], last_hidden)
-            unseen_hidden.append((hidden, torch.where(active, n + 1, torch.zeros_like(n))))
-        n_list, next_list = n.tolist(), nxt.tolist()  # host sync
-        t_verify = time.perf_counter()
-        lengths = proposal.lengths.tolist() if step_k > 0 and proposal.lengths is not None else [step_k] * B
-        for b in range(B):
-            if done[b]:
-                continue
-            nb = n_list[b]
-            stats.row_steps += 1
-            stats.emitted += nb + 1
-            for i in range(min(nb + 1, lengths[b], step_k)):
-                stats.reached[i] += 1
-                stats.accepted[i] += int(i < nb)
-            new = (drafts_list[b][:nb] if drafts_list is not None else []) + [next_list[b]]
-            for t in new:
-                generated[b].append(t)
-                seqs[b].append(t)
-                if t in eos or len(generated[b]) >= max_new_tokens:
-                    done[b] = True
-                    break
-        if any(done):  # park finished rows at their prompt: their scratch writes then always fit
-            parked = torch.tensor(done, device=device)
-            cache.crop(torch.where(parked, prefilled.prompt_lengths, cache.lengths))
-        policy_s = t_policy - start
-        if policy is not None:
-            t_update = time.perf_counter()
-            # the policy learns from the draft and verify seconds (its model predicts those), not its own
-            policy.update(step_k, n, active, t_verify - t_policy, t_draft - t_policy, lengths=lengths, context=context)
-            policy_s += time.perf_counter() - t_update
-        pending = torch.tensor([s[-1] for s in seqs], device=device)
-        end = time.perf_counter()
-        stats.step_k.append(step_k)
-        stats.draft_s.append(t_draft - t_policy)
-        stats.verify_s.append(t_verify - t_draft)
-        stats.policy_s.append(policy_s)
-        stats.step_s.append(end - start)
-        if bar is not None:
-            bar.update(max(0, min(max_new_tokens, max(map(len, generated))) - bar.n))
-    if bar is not None:
-        bar.close()
-    stats.new_tokens = sum(map(len, generated))
-    finished = [any(t in eos for t in row) for row in generated]
-    return SpecResult(tokens=generated, stats=stats, finished=finished)
+    if eos_token_ids is None:
+        eos_token_ids = getattr(model, "eos_token_ids", None) or []
+    prefilled.cache.truncate(prefilled.prompt_lengths.clone())
+    stats = SpecStats(batch_size=len(prompts), prompt_tokens=sum(map(len, prompts)),
+                      drafter=name or getattr(drafter, "name", "plain"), prefill_s=prefilled.prefill_s)
+    spec = SpeculativePolicy(drafter, k, policy, prefilled, stats, sampler, generator)
+    loop = engine.run_loop(tr, prompts, spec, max_new_tokens=max_new_tokens, stats=stats,
+                           eos_token_ids=eos_token_ids, prefilled=(prefilled.cache, prefilled.last_logits),
+                           progress=progress, desc=stats.drafter)
+    return SpecResult(tokens=loop.tokens, stats=stats, finished=loop.finished)

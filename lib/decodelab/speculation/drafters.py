@@ -9,9 +9,11 @@ Every drafter implements the `Drafter` protocol below, so the speculative loop
                      head, with its own KV cache (Draft & Verify, Zhang et al. 2023; no training).
 - `ModelDrafter`     any causal LM sharing the target's tokenizer (Leviathan et al. 2023).
 
-The MTP-heads drafter lives in `decodelab.mtp.model` and implements the same protocol.
+The MTP-heads drafter lives in `decodelab.mtp.drafter` and implements the same protocol. `make_drafter`
+builds the shipped ones by name with the notebook's defaults (which layers to skip, how deep a draft);
+`decodelab.speculation.draft_models` builds or loads the draft model itself.
 
-Protocol, step by step (the loop in `speculative.generate` drives it):
+Protocol, step by step (the loop in `decodelab.speculation.decode.generate` drives it):
 
     drafter.begin(prompts, max_len=...)      # once, after the target's prefill
     loop:
@@ -32,7 +34,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from decodelab.core.engine import extend, pad_prompts
 from decodelab.core.sampling import draw_uniforms
+from decodelab.speculation.draft_models import (  # truncated_model: still imported from here by test_speculative
+    check_same_tokenizer,
+    draft_model_for,
+    truncated_model,  # noqa: F401
+)
+from decodelab.speculation.verify import inverse_cdf
 
 
 @dataclass
@@ -119,7 +128,7 @@ class Drafter(Protocol):
 
     def rollback(self, n_accepted: torch.Tensor) -> None:
         """n_accepted (B,) long in [0, k]: how many of the last proposal's drafts row b kept. A drafter
-        with a KV cache crops the rejected ones here; the next `ctx.tokens` also carries the target's
+        with a KV cache rolls the rejected ones back here; the next `ctx.tokens` also carries the target's
         correction / bonus token, which the drafter has not seen yet."""
         ...
 
@@ -220,20 +229,13 @@ class NGramDrafter(DrafterBase):
         return DraftProposal(tokens=tokens, probs=None, lengths=lengths)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """(B, V) probabilities, (B,) uniforms -> (B,) long sampled tokens."""
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return idx.clamp_(max=probs.shape[-1] - 1)
-
-
 class CachedModelDrafter(DrafterBase):
     """Autoregressive drafting with a causal LM (or a layer subset of one) and its own KV cache.
 
     The draft cache holds every token of ctx.tokens except, between steps, the not-yet-seen ones:
     `propose` first feeds each row's unseen suffix (ragged: the pending token, plus the last draft when
-    all k were accepted), then drafts k tokens one at a time; `rollback` crops the drafts that the
-    target rejected. Cost per step: one catch-up forward + (k - 1) single-token forwards.
+    all k were accepted), then drafts k tokens one at a time; `rollback` truncates the drafts that
+    the target rejected. Cost per step: one catch-up forward + (k - 1) single-token forwards.
     """
 
     CATCHUP = 16  # longest unseen suffix fed in one forward (after plain steps of the adaptive policy)
@@ -247,16 +249,14 @@ class CachedModelDrafter(DrafterBase):
         self._base: torch.Tensor | None = None
 
     def begin(self, prompts: list[list[int]], *, max_len: int) -> None:
-        from decodelab.core.engine import pad_prompts
-
         n_layers = len(self.layers) if self.layers is not None else None
         self.cache = self.tr.new_cache(len(prompts), max_len + self.CATCHUP, n_layers=n_layers)
         tokens, lengths = pad_prompts(prompts, self.tr.device)
-        self.tr.forward(tokens, self.cache, n_new=lengths, layers=self.layers, logits_at="none")
+        extend(self.tr, self.cache, tokens, n_new=lengths, layers=self.layers, logits_at="none")
 
     def _logits(self, tokens: torch.Tensor, n_new: torch.Tensor | None = None) -> torch.Tensor:
         """Feed tokens (B, T) -> logits at each row's last valid token, cut/padded to the target's vocab."""
-        logits = self.tr.forward(tokens, self.cache, n_new=n_new, layers=self.layers, logits_at="last").float()
+        logits = extend(self.tr, self.cache, tokens, n_new=n_new, layers=self.layers, logits_at="last").float()
         V = self.vocab_size
         if logits.shape[-1] > V:  # a draft with a larger (padded) embedding: never propose ids the target lacks
             logits = logits[:, :V]
@@ -271,7 +271,7 @@ class CachedModelDrafter(DrafterBase):
         # one uniform per row: from the one generator, or from row b's own (a list, engine.generate's contract)
         gen = ctx.generator
         u = torch.rand(q.shape[0], device=q.device) if gen is None else draw_uniforms(gen, q.shape[0], q.device)
-        return _inverse_cdf(q, u), q
+        return inverse_cdf(q, u), q
 
     def _propose(self, ctx: DraftContext, k: int) -> DraftProposal:
         device = self.tr.device
@@ -306,43 +306,25 @@ class CachedModelDrafter(DrafterBase):
     def rollback(self, n_accepted: torch.Tensor) -> None:
         # the cache holds base + (k - 1) drafts; keep the accepted ones (the k-th was never fed)
         fed = self.cache.lengths - self._base
-        self.cache.crop(self._base + torch.minimum(n_accepted.to(fed), fed))
+        self.cache.truncate(self._base + torch.minimum(n_accepted.to(fed), fed))
+
+
+def default_skip_layers(n_layers: int) -> list[int]:
+    """The layer-skip drafter's layers when none are given: all but two, the ones at 1/3 and 2/3 depth."""
+    return [i for i in range(n_layers) if i not in (n_layers // 3, 2 * n_layers // 3)]
 
 
 class LayerSkipDrafter(CachedModelDrafter):
-    """Self-speculation without training: the target's own `layers` (a subset, in order) + its final
-    norm and LM head, with a KV cache of len(layers) slots (Draft & Verify, Zhang et al. 2023)."""
+    """Self-speculation without training: the target's own `layers` (a subset, in order; None:
+    `default_skip_layers`) + its final norm and LM head, with a KV cache of len(layers) slots
+    (Draft & Verify, Zhang et al. 2023)."""
 
-    def __init__(self, model, layers):
+    def __init__(self, model, layers=None):
         tr = getattr(model, "transformer", model)
-        layers = list(layers)
+        layers = default_skip_layers(tr.n_layers) if layers is None else list(layers)
         if not layers or any(not 0 <= i < tr.n_layers for i in layers) or layers != sorted(set(layers)):
             raise ValueError(f"layers={layers!r} must be a non-empty increasing list of indices in [0, {tr.n_layers})")
         super().__init__(tr, layers=layers, name="layer_skip")
-
-
-def check_same_tokenizer(target, draft) -> None:
-    """Raise ValueError unless `draft` (LoadedModel) tokenizes exactly like `target`: speculative
-    decoding compares token ids, so a draft with another vocabulary would propose nonsense."""
-    t_tok, d_tok = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
-    t_name, d_name = getattr(target, "name", "target"), getattr(draft, "name", "draft")
-    if t_tok is not None and d_tok is not None:
-        t_vocab, d_vocab = t_tok.get_vocab(), d_tok.get_vocab()
-        if t_vocab != d_vocab:
-            differ = len(set(t_vocab.items()) ^ set(d_vocab.items()))
-            raise ValueError(
-                f"draft={d_name!r} has a different tokenizer from target={t_name!r} "
-                f"({len(d_vocab)} vs {len(t_vocab)} tokens, {differ} (token, id) pairs differ); "
-                "a draft model must share the target's tokenizer"
-            )
-        return
-    if (t_tok is None) != (d_tok is None):
-        raise ValueError(f"draft={d_name!r} and target={t_name!r}: one has a tokenizer and the other not; "
-                         "a draft model must share the target's tokenizer")
-    t_v, d_v = target.transformer.vocab_size, draft.transformer.vocab_size
-    if t_v != d_v:
-        raise ValueError(f"draft={d_name!r} vocab_size={d_v} differs from target={t_name!r} vocab_size={t_v}; "
-                         "a draft model must share the target's tokenizer")
 
 
 class ModelDrafter(CachedModelDrafter):
@@ -354,47 +336,19 @@ class ModelDrafter(CachedModelDrafter):
         self.model = draft
 
 
-def truncated_model(model, n_layers: int):
-    """A LoadedModel made of `model`'s first n_layers decoder layers + its final norm and head, sharing
-    the weight tensors (no copy). A stand-in draft model of the same family when no smaller sibling is
-    at hand (the embedded target); transformers' `generate(assistant_model=...)` accepts its hf_model."""
-    import copy
-
-    from decodelab.core.models import LoadedModel
-    from decodelab.core.transformer import Transformer
-
-    hf = model.hf_model
-    total = hf.config.num_hidden_layers
-    if not 1 <= n_layers <= total:
-        raise ValueError(f"n_layers={n_layers!r} must be in [1, {total}]")
-    config = copy.deepcopy(hf.config)
-    config.num_hidden_layers = n_layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:n_layers]
-    with torch.device("meta"):
-        small = type(hf)(config)
-    small.model.embed_tokens = hf.model.embed_tokens
-    small.model.layers = torch.nn.ModuleList(hf.model.layers[:n_layers])
-    small.model.norm = hf.model.norm
-    small.model.rotary_emb = hf.model.rotary_emb
-    small.lm_head = hf.lm_head
-    small.generation_config = copy.deepcopy(hf.generation_config)
-    small.eval()
-    return LoadedModel(name=f"{model.name}-first{n_layers}", hf_model=small, tokenizer=model.tokenizer,
-                       transformer=Transformer.from_hf(small))
-
-
 def make_drafter(name: str, target, **options):
-    """Build a drafter by name: "ngram" (max_ngram, min_ngram), "layer_skip" (layers), "draft_model"
-    (draft: a LoadedModel sharing the tokenizer, or draft_layers: int for a truncated copy of the target)."""
+    """Build a drafter by name, with the defaults for every option left out (or None):
+    "ngram" (max_ngram, min_ngram, match: `NGramDrafter`'s), "layer_skip" (layers: `default_skip_layers`),
+    "draft_model" (draft: a LoadedModel sharing the tokenizer, else draft_layers: the depth of a truncated
+    copy of the target, `draft_models.default_draft_layers` when None)."""
     if name == "ngram":
         return NGramDrafter(**{k: v for k, v in options.items() if k in ("max_ngram", "min_ngram", "match")})
     if name == "layer_skip":
-        return LayerSkipDrafter(target, options["layers"])
+        return LayerSkipDrafter(target, options.get("layers"))
     if name == "draft_model":
         draft = options.get("draft")
         if draft is None:
-            draft = truncated_model(target, options["draft_layers"])
+            draft = draft_model_for(target, n_layers=options.get("draft_layers"))
         return ModelDrafter(draft, target)
     raise ValueError(f"drafter={name!r} is unknown; allowed: 'ngram', 'layer_skip', 'draft_model' "
-                     "(MTP heads: decodelab.mtp.model)")
+                     "(MTP heads: decodelab.mtp.drafter)")

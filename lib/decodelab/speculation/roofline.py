@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from decodelab.core.transformer import head_dim_of
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -78,9 +80,8 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config, *, name: str | None = None, bytes_per_param: float = 2.0) -> "ModelShape":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(name or getattr(config, "_name_or_path", "") or config.model_type, config.num_hidden_layers,
-                   config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                   config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim_of(config),
                    config.intermediate_size, config.vocab_size, bytes_per_param,
                    bool(getattr(config, "tie_word_embeddings", False)))
 

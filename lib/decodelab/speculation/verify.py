@@ -1,11 +1,18 @@
-"""Speculative verification maths: greedy and rejection-sampling acceptance of k drafts per row."""
+"""Speculative verification maths: greedy and rejection-sampling acceptance of k drafts per row, and the
+inverse-CDF draw that drafts and resamples use."""
 from __future__ import annotations
 
 import torch
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """(B, V) probabilities, (B,) uniforms in [0, 1) -> (B,) long: smallest i with cdf_i > u * total."""
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities, (B,) uniforms in [0, 1) -> (B,) long: smallest i with cdf_i > u * total.
+
+    The cumulative sum runs in token-id order. This is the draw of the draft tokens (drafters) and of the
+    residual at a rejection, and it is not `core.sampling.sample_inverse_cdf`, which ranks tokens by
+    probability and reads 1 - u (so u near 0 picks the most probable token): the same uniform picks a
+    different token under the two, so merging them would change every sampled speculative run.
+    """
     cdf = probs.cumsum(-1)
     target = (u * cdf[:, -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
@@ -114,4 +121,4 @@ def rejection_verify(
     q_pad = torch.cat([q, torch.zeros(B, 1, V, dtype=q.dtype, device=device)], dim=1)
     rows = torch.arange(B, device=device)
     residual = residual_distribution(target_probs[rows, n], q_pad[rows, n])
-    return n, _inverse_cdf(residual, uniforms[:, k])
+    return n, inverse_cdf(residual, uniforms[:, k])

@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from decodelab.suite import answers, report, runs
+from decodelab.suite import answers, records, registry, report
 from decodelab.suite.answers import NO_RUN, provenance_line, relative, run_line
 
 BENCH_GLOB = "decode-*"
@@ -76,14 +76,14 @@ def bench_from_quickstart(record: report.RunRecord, root: Path) -> BenchRun | No
     if not table.is_file():
         return None
     return BenchRun(relative(record.dir, root), record.dir, record.env, record.params, bench_rows(_read_csv(table)),
-                    report.run_command("quickstart", record.env.get("profile") or "cpu"))
+                    registry.run_command("quickstart", record.env.get("profile") or "cpu"))
 
 
 def bench_from_folder(path: Path, root: Path) -> BenchRun | None:
     """A `decodelab bench decode` folder: decode.csv + env.json (params under env["params"])."""
     if not (path / "decode.csv").is_file():
         return None
-    env = runs.read_json(path / "env.json", {}) or {}
+    env = records.read_json(path / "env.json", {}) or {}
     stamp = re.search(r"(\d{8})-(\d{6})", path.name)
     date = datetime.strptime(stamp.group(1), "%Y%m%d").date().isoformat() if stamp else None
     rows = bench_rows(_read_csv(path / "decode.csv"))
@@ -131,7 +131,8 @@ def _rate(tokens_per_s: float) -> str:
 def render_bench(bench: BenchRun | None, profile: str) -> str:
     """The bench block (without the markers), generated from one run's table."""
     if bench is None:
-        return (f"{run_line('bench', NO_RUN)}\n_No decode benchmark yet: `{report.run_command('quickstart', profile)}` "
+        command = registry.run_command("quickstart", profile)
+        return (f"{run_line('bench', NO_RUN)}\n_No decode benchmark yet: `{command}` "
                 "or `decodelab bench decode`, then `make findings`._\n")
     spread = all("ours_seconds_max" in r and "hf_seconds_max" in r for r in bench.rows)
     counted = all("ours_new_tokens" in r and "hf_new_tokens" in r for r in bench.rows)

@@ -2,6 +2,7 @@
 
     decodelab run quickstart --profile smoke -p batch_sizes=[1,4]
     decodelab list
+    decodelab list --names | --gpu-check
     decodelab list --runs [NAME]
     decodelab prepare
     decodelab bench decode [...]
@@ -22,7 +23,7 @@ results go to results/<notebook>/<run-id>/ (or $DECODELAB_RESULTS)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from decodelab.suite import profiles, runs
+    from decodelab.suite import profiles, registry
 
     parser = argparse.ArgumentParser(
         prog="decodelab", description="Research notebooks on LLM decoding, run headlessly with papermill.",
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Execute a notebook with papermill. Values of -p are parsed as YAML; only names "
         "in the notebook's parameters cell are accepted (see `decodelab list`).",
     )
-    run.add_argument("notebook", metavar="NOTEBOOK", help=f"runner name: {', '.join(runs.NOTEBOOKS)}")
+    run.add_argument("notebook", metavar="NOTEBOOK", help=f"runner name: {', '.join(registry.NOTEBOOKS)}")
     run.add_argument("--profile", default="cpu", metavar="PROFILE",
                      help=f"parameter profile: {', '.join(profiles.PROFILES)} (default: cpu)")
     run.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     listing.add_argument("--runs", nargs="?", const="", default=None, metavar="NAME",
                          help="list the runs in results/ (of notebook NAME only, when given) with their status")
+    listing.add_argument("--names", action="store_true",
+                         help="only the runner names, one per line (for scripts: the Makefile's `make all`)")
+    listing.add_argument("--gpu-check", action="store_true",
+                         help="one line per notebook: NAME and its -p overrides for scripts/gpu_check.sh")
     sub.add_parser("prepare", help="convert the embedded model's weights once and print where they are")
     for name, text in (
         ("bench", "benchmarks: `decodelab bench decode --help`"),
@@ -82,16 +87,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args) -> int:
-    from decodelab.suite import profiles, runs
+    from decodelab.suite import profiles, records, runner
 
     overrides = profiles.parse_overrides(args.param)
     try:
-        runs.execute(args.notebook, args.profile, overrides, progress=not args.no_progress)
-    except runs.RunFailed as failure:
+        runner.execute(args.notebook, args.profile, overrides, progress=not args.no_progress)
+    except runner.RunFailed as failure:
         print(f"decodelab run: FAILED {failure}", file=sys.stderr)
         return 1
-    except runs.RunInterrupted as stop:
-        where = f"in {runs.describe_cell(stop.last_cell)}" if stop.last_cell else "before the first cell"
+    except runner.RunInterrupted as stop:
+        where = f"in {records.describe_cell(stop.last_cell)}" if stop.last_cell else "before the first cell"
         kept = (f"the run directory keeps what it wrote: {stop.run_dir}" if stop.run_dir
                 else "no run directory had been made yet")
         print(f"decodelab run: interrupted by {stop.signal_name} {where}; {kept}", file=sys.stderr)
@@ -100,19 +105,29 @@ def cmd_run(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from decodelab.suite import profiles, runs
+    import shlex
+
+    from decodelab.suite import profiles, records, registry
 
     if getattr(args, "runs", None) is not None:
         return list_runs(args.runs or None)
-    for name, file in runs.NOTEBOOKS.items():
-        path = runs.notebooks_dir() / file
+    if getattr(args, "names", False):
+        print("\n".join(registry.NOTEBOOKS))
+        return 0
+    if getattr(args, "gpu_check", False):
+        for name, notebook in registry.NOTEBOOKS.items():
+            print(shlex.join([name, *(word for item in notebook.gpu_check for word in ("-p", item))]))
+        return 0
+    for name, notebook in registry.NOTEBOOKS.items():
+        file = notebook.file
+        path = records.notebooks_dir() / file
         if not path.exists():
             print(f"{name}  ({file}: not written yet)\n")
             continue
-        available = profiles.available_profiles(runs.params_dir(name))
+        available = profiles.available_profiles(records.params_dir(name))
         print(f"{name}  ({file})  profiles: {', '.join(available) or 'none'}")
         try:
-            declared = runs.parameters(name)
+            declared = records.parameters(name)
         except ValueError as error:
             print(f"    cannot read parameters: {error}\n")
             continue
@@ -127,33 +142,34 @@ def cmd_list(args) -> int:
 
 def list_runs(name: str | None = None) -> int:
     """`decodelab list --runs [NAME]`: every run folder, oldest first, with how it ended."""
-    from decodelab.suite import provenance, runs
+    from decodelab.suite import provenance, records, registry
 
-    root = runs.results_root()
-    if name is not None and name not in runs.NOTEBOOKS and not (root / name).is_dir():
+    root = records.results_root()
+    known = registry.NOTEBOOKS
+    if name is not None and name not in known and not (root / name).is_dir():
         raise ValueError(
-            f"notebook={name!r} has no runs in {root} and is not registered; allowed: {sorted(runs.NOTEBOOKS)}"
+            f"notebook={name!r} has no runs in {root} and is not registered; allowed: {sorted(known)}"
         )
     names = [name] if name is not None else sorted(
-        {*runs.NOTEBOOKS, *(p.name for p in root.iterdir() if p.is_dir())} if root.is_dir() else set(runs.NOTEBOOKS)
+        {*known, *(p.name for p in root.iterdir() if p.is_dir())} if root.is_dir() else set(known)
     )
     print(f"runs in {root}")
     found = 0
     for each in names:
-        paths = runs.list_runs(each, root=root)
+        paths = records.list_runs(each, root=root)
         if not paths:
             if name is not None:
                 print(f"{each}: no runs")
             continue
         print(f"{each}:")
         for path in paths:
-            env = runs.read_json(path / "env.json", {})
+            env = records.read_json(path / "env.json", {})
             found += 1
             wall = env.get("wall_s")
             print("  " + "  ".join(filter(None, (
-                f"{path.name:<30}", f"{runs.effective_status(env):<26}", f"{env.get('profile') or '-':<6}",
+                f"{path.name:<30}", f"{records.effective_status(env):<26}", f"{env.get('profile') or '-':<6}",
                 env.get("started") or "", f"{wall:.1f} s" if isinstance(wall, (int, float)) else "",
-                _load_note(env, provenance), _end_note(env, runs),
+                _load_note(env, provenance), _end_note(env, records),
             ))))
     if not found and name is None:
         print("  (none)")
@@ -168,16 +184,16 @@ def _load_note(env: dict, provenance) -> str:
     return note + " (loaded: timings not comparable)" if provenance.is_loaded(env) else note
 
 
-def _end_note(env: dict, runs) -> str:
+def _end_note(env: dict, records) -> str:
     status = env.get("status")
-    if status == runs.STATUS_INTERRUPTED:
+    if status == records.STATUS_INTERRUPTED:
         signal_name = (env.get("interrupted") or {}).get("signal") or "a signal"
-        return f"by {signal_name} in {runs.describe_cell(env.get('last_cell'))}"
-    if status == runs.STATUS_FAILED:
+        return f"by {signal_name} in {records.describe_cell(env.get('last_cell'))}"
+    if status == records.STATUS_FAILED:
         error = env.get("error") or {}
         what = error.get("kind") or "failed"
         detail = f": {error.get('ename')}: {error.get('evalue')}" if error.get("ename") else ""
-        where = f" in {runs.describe_cell(env['last_cell'])}" if env.get("last_cell") else ""
+        where = f" in {records.describe_cell(env['last_cell'])}" if env.get("last_cell") else ""
         return f"{what}{where}{detail}"[:200]
     return ""
 
@@ -191,9 +207,9 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from decodelab.quickstart import bench
+    from decodelab.suite import bench_cli
 
-    return bench.main(args.args) or 0
+    return bench_cli.main(args.args) or 0
 
 
 def cmd_report(args) -> int:
@@ -203,9 +219,9 @@ def cmd_report(args) -> int:
 
 
 def cmd_findings(args) -> int:
-    from decodelab.suite import report
+    from decodelab.suite import findings
 
-    return report.findings_main(args.args) or 0
+    return findings.main(args.args) or 0
 
 
 DELEGATED = ("bench", "report", "findings")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decodelab.suite import answers, report, runs
+from decodelab.suite import answers, records, registry, report
 from decodelab.suite.answers import NO_RUN, RUN_LINE, provenance_line, relative, run_line
 from decodelab.suite.bench_block import BenchRun, latest_bench, load_bench, render_bench  # noqa: F401 (re-exported)
 
@@ -70,12 +70,12 @@ def _verdict_item(item: Any) -> str:
     return answers.fmt(item)
 
 
-def finding_md(question: report.Question, record: report.RunRecord | None, figure_link: str | None,
+def finding_md(question: registry.Notebook, record: report.RunRecord | None, figure_link: str | None,
                profile: str, source: str = NO_RUN) -> str:
     """One notebook's finding: question, answer, goal table, figure, numbers, provenance."""
     head = f"{run_line(question.name, source)}\n### {question.title}\n\n*{question.question}*\n\n"
     if record is None:
-        return head + f"_No `{profile}`-profile run yet: `{report.run_command(question.name, profile)}`._\n"
+        return head + f"_No `{profile}`-profile run yet: `{registry.run_command(question.name, profile)}`._\n"
     judged = answers.judge(record.metrics)
     state, load_text = answers.load_state(record.env)
     caution = f" _({load_text}.)_" if state == answers.LOADED else ""
@@ -94,14 +94,14 @@ def render_findings(selected: dict[str, report.RunRecord | None], links: dict[st
                     root: Path) -> str:
     """The whole findings block (without the markers)."""
     return INTRO + "\n".join(
-        finding_md(report.QUESTIONS[name], selected.get(name), links.get(name), profile,
+        finding_md(registry.NOTEBOOKS[name], selected.get(name), links.get(name), profile,
                    source_of(selected.get(name), root))
-        for name in report.QUESTIONS
+        for name in registry.NOTEBOOKS
     )
 
 
 # ---------------------------------------------------------------- load gate
-def timing_content(question: report.Question, record: report.RunRecord) -> list[str]:
+def timing_content(question: registry.Notebook, record: report.RunRecord) -> list[str]:
     """What of this run's finding is a timing: goal rows, key numbers, the headline figure."""
     judged = answers.judge(record.metrics)
     found = [f"goal {g.name}" for g in judged.goals if answers.is_timing_goal(g, question.timing_metrics)]
@@ -120,7 +120,7 @@ def loaded_problems(selected: dict[str, report.RunRecord | None], bench: BenchRu
     for name, record in selected.items():
         if record is None or answers.load_state(record.env)[0] == answers.QUIET:
             continue
-        timing = timing_content(report.QUESTIONS[name], record)
+        timing = timing_content(registry.NOTEBOOKS[name], record)
         if timing:
             problems.append(f"{name}, run {record.dir.name}: {answers.load_state(record.env)[1]}; "
                             f"timings: {', '.join(timing)}")
@@ -193,7 +193,7 @@ def figure_targets(selected: dict[str, report.RunRecord | None], docs_dir: Path)
     targets = {}
     for name, record in selected.items():
         figures = record.figures() if record is not None else {}
-        stems = report.headline_stems(report.QUESTIONS[name], figures)
+        stems = report.headline_stems(registry.NOTEBOOKS[name], figures)
         if stems:
             source = figures[stems[0]]
             targets[name] = (source, docs_dir / f"{name}{source.suffix.lower()}")
@@ -211,7 +211,7 @@ def _paths(readme, root, docs_dir) -> tuple[Path, str, Path, Path]:
     text = readme.read_text(encoding="utf-8")
     for start, end in ((BENCH_START, BENCH_END), (START, END)):
         _span(text, start, end, str(readme))  # fail on missing markers before anything is read or copied
-    root = Path(root) if root is not None else runs.results_root()
+    root = Path(root) if root is not None else records.results_root()
     docs = Path(docs_dir) if docs_dir is not None else readme.parent / "docs" / "findings"
     return readme, text, root, docs
 
@@ -224,7 +224,7 @@ def update_readme(readme: str | Path, *, root: str | Path | None = None, profile
     would publish timings, unless `allow_loaded`.
     """
     readme, text, root, docs = _paths(readme, root, docs_dir)
-    selected = {name: report.latest_ok(name, root=root, profile=profile) for name in report.QUESTIONS}
+    selected = {name: report.latest_ok(name, root=root, profile=profile) for name in registry.NOTEBOOKS}
     bench = latest_bench(root, profile)
     problems = loaded_problems(selected, bench)
     if problems and not allow_loaded:
@@ -250,7 +250,7 @@ def update_readme(readme: str | Path, *, root: str | Path | None = None, profile
 
 @dataclass
 class Check:
-    """What `check_readme` found: blocks or figures that differ from their runs, runs not here, newer runs."""
+    """What `check_readme` found: blocks or figures that differ from their runs, runs not here, newer records."""
 
     stale: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
@@ -302,11 +302,11 @@ def check_readme(readme: str | Path, *, root: str | Path | None = None, profile:
     intro, entries = _sections(block)
     if intro != INTRO:
         result.stale.append("findings block: the text before the first entry is not the generated one")
-    if list(entries) != list(report.QUESTIONS):
-        result.stale.append(f"findings block has entries {list(entries)}, expected {list(report.QUESTIONS)}")
+    if list(entries) != list(registry.NOTEBOOKS):
+        result.stale.append(f"findings block has entries {list(entries)}, expected {list(registry.NOTEBOOKS)}")
     selected: dict[str, report.RunRecord | None] = {}
     for name, (source, entry) in entries.items():
-        if name not in report.QUESTIONS:
+        if name not in registry.NOTEBOOKS:
             continue
         base = locate(source, root, docs)
         record = report.load(base / source) if base is not None else None
@@ -315,7 +315,7 @@ def check_readme(readme: str | Path, *, root: str | Path | None = None, profile:
             continue
         selected[name] = record
         targets = figure_targets({name: record}, docs)
-        regenerated = finding_md(report.QUESTIONS[name], record, _links(targets, readme).get(name), profile,
+        regenerated = finding_md(registry.NOTEBOOKS[name], record, _links(targets, readme).get(name), profile,
                                  source_of(record, base) if record is not None else NO_RUN)
         if regenerated.rstrip("\n") != entry.rstrip("\n"):
             result.stale.append(f"findings entry {name} differs from run {source}")
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     """`decodelab findings [--readme README.md] [--profile cpu] [--results DIR] [--docs DIR] [--check]
     [--allow-loaded]`."""
     parser = argparse.ArgumentParser(prog="decodelab findings", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--readme", default=str(runs.repo_root() / "README.md"))
+    parser.add_argument("--readme", default=str(records.repo_root() / "README.md"))
     parser.add_argument("--profile", default="cpu", help="use the latest ok run of this profile (default cpu)")
     parser.add_argument("--results", default=None, help="results root (default $DECODELAB_RESULTS or results/)")
     parser.add_argument("--docs", default=None, help="where figures go (default <readme dir>/docs/findings)")
@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.readme}: bench and findings blocks {'updated' if changed else 'unchanged'}")
         return 0
     for line in result.missing:
-        print(f"not checked, run not under {args.results or runs.results_root()} (results/ is not committed): {line}")
+        where = args.results or records.results_root()
+        print(f"not checked, run not under {where} (results/ is not committed): {line}")
     for line in result.newer:
         print(f"newer run available (make findings to publish it): {line}")
     for line in result.stale:

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from decodelab.workloads.paths import data_file
+from decodelab.workloads.prompts import user_prompt_ids
 
 
 def load_workloads(path=None, categories=None) -> list[dict]:
@@ -21,8 +22,5 @@ def load_workloads(path=None, categories=None) -> list[dict]:
 
 
 def workload_prompts(tokenizer, items: list[dict], batch_size: int, *, offset: int = 0) -> list[list[int]]:
-    """batch_size chat-formatted prompt token lists, cycling through items (ragged lengths)."""
-    from decodelab.workloads.tasks import chat_prompt_ids
-
-    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": items[(offset + i) % len(items)]["prompt"]}])
-            for i in range(batch_size)]
+    """batch_size chat-formatted prompt token lists (one user turn each), cycling through items (ragged lengths)."""
+    return [user_prompt_ids(tokenizer, items[(offset + i) % len(items)]["prompt"]) for i in range(batch_size)]
