@@ -1,9 +1,19 @@
-"""What each notebook asks, which figure answers it, which numbers support the answer, and which of
-them are timings (not comparable when the machine was loaded). Read by the report and the findings.
+"""The notebook registry: one record per notebook, the only place the suite learns what notebooks exist.
+
+A record says which file the notebook is, what it asks, which figure answers it, which numbers support
+the answer, which of them are timings (not comparable when the machine was loaded), which question
+subpackage holds its code, and how `scripts/gpu_check.sh` cuts it down. The runner, `decodelab list`,
+the report, the findings, the Makefile and the GPU check all iterate `NOTEBOOKS`.
+
+Adding a notebook = the notebook + its `notebooks/params/<name>/` folder + one `Notebook` record here
+(+ its subpackage under `decodelab/`). The suite refers to question subpackages only by the name strings
+below (resolved with importlib where needed), never by import.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from types import ModuleType
 
 # Names (metric keys, goal names, figure stems) that measure time: published from a loaded run only
 # with `decodelab findings --allow-loaded`. Quality numbers (accuracy, KL, tau, loss) are not timings.
@@ -13,10 +23,11 @@ TIMING_FIGURES = ("*speedup*", "*throughput*", "*time*", "*latency*", "*cost*", 
 
 
 @dataclass(frozen=True)
-class Question:
-    """What one notebook asks and which figure answers it."""
+class Notebook:
+    """One notebook: its runner name, file, question, headline figure and supporting numbers."""
 
-    name: str  # runner name
+    name: str  # runner name: `decodelab run NAME`, notebooks/params/NAME/, results/NAME/
+    file: str  # the notebook under notebooks/
     title: str
     question: str  # one sentence
     headline: tuple[str, ...]  # figure stems, in order; the first figure saved is the fallback
@@ -26,19 +37,26 @@ class Question:
     key_metrics: tuple[str | tuple[str, str], ...] = ()
     timing_metrics: tuple[str, ...] = TIMING_METRICS  # patterns over metric keys and goal names
     timing_figures: tuple[str, ...] = TIMING_FIGURES  # patterns over figure stems
+    package: str = ""  # the question subpackage under decodelab/ holding the notebook's code
+    # `-p key=value` items that cut the gpu profile down for scripts/gpu_check.sh (< 8 minutes in all)
+    gpu_check: tuple[str, ...] = ()
+    # `decodelab bench COMMAND` measured by this notebook's code: (COMMAND, module of the measurement)
+    bench: tuple[str, str] | None = None
 
 
-QUESTIONS: dict[str, Question] = {q.name: q for q in (
-    Question(
-        "quickstart", "00 · Quickstart: the decode engine",
+NOTEBOOKS: dict[str, Notebook] = {nb.name: nb for nb in (
+    Notebook(
+        "quickstart", "00_quickstart.ipynb", "00 · Quickstart: the decode engine",
         "How fast does the embedded model decode on this machine, and how does throughput grow with batch size?",
         ("throughput_vs_batch",),
         (("greedy_match", "greedy tokens identical to HF generate() in every row"),
          ("ours_over_hf.*", "ours / HF tokens/s at batch {0}"),
          ("identical_greedy_rows.*", "identical greedy rows at batch {0}")),
+        package="quickstart", bench=("decode", "decodelab.quickstart.bench"),
+        gpu_check=("max_new_tokens=64", "batch_sizes=[1,16,128]"),
     ),
-    Question(
-        "speculation", "01 · Speculative decoding vs batch size",
+    Notebook(
+        "speculation", "01_speculation_vs_batch.ipynb", "01 · Speculative decoding vs batch size",
         "Does speculative decoding still speed up generation as the batch grows, and does any draft-length "
         "policy avoid losing to plain decoding?",
         ("speedup_vs_batch",),
@@ -49,18 +67,23 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
          ("roofline_heldout_error", "roofline median error on held-out cells"),
          ("roofline_insample_error", "roofline median error in sample")),
         TIMING_METRICS + ("*crossover*", "*roofline*"),
+        package="speculation",
+        gpu_check=("batch_sizes=[1,16,128]", "ks=[2,4]", "max_new_tokens=64", "calibration_repeats=2"),
     ),
-    Question(
-        "sampling", "02 · min-p vs top-p",
+    Notebook(
+        "sampling", "02_minp_vs_topp.ipynb", "02 · min-p vs top-p",
         "Is min-p sampling better than top-p across temperatures once both are tuned fairly?",
         ("accuracy_vs_temperature",),
         (("greedy_accuracy", "greedy accuracy"), ("difficulty", "problem difficulty"),
          ("matched_min_p", "min-p matched to top-p"), ("matched_min_p.*", "min-p matched to top-p ({0})"),
          ("generation_tokens_per_s", "generation tokens/s")),
         TIMING_METRICS + ("sampler_cost*",),
+        package="sampling_study",
+        gpu_check=("n_problems=32", "temperatures=[0.7,1.5]", "n_writing_prompts=8", "writing_samples=4",
+                   "confidence_steps=512", "n_boot=200"),
     ),
-    Question(
-        "mtp", "03 · Multi-token prediction",
+    Notebook(
+        "mtp", "03_mtp_training.ipynb", "03 · Multi-token prediction",
         "Does training with multi-token prediction hurt or help a small model, and do its heads make useful drafters?",
         ("loss_curves",),
         (("val_loss.*.mean", "validation loss ({0})"), ("head_accuracy.*", "head accuracy ({0})"),
@@ -69,9 +92,12 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
          ("retrofit_frozen_bit_identical", "frozen weights bit-identical after the retrofit"),
          ("step_time_ratio", "training step time, MTP / next-token"),
          ("peak_mem_ratio", "peak memory, MTP / next-token")),
+        package="mtp",
+        gpu_check=("n_heads=[1,4]", "mtp_style=[gloeckle]", "train_tokens=1048576", "seeds=[0]",
+                   "retrofit_tokens=131072", "retrofit_steps=50", "spec_batch_sizes=[1,8]"),
     ),
-    Question(
-        "masking", "04 · Distortion under masking",
+    Notebook(
+        "masking", "04_masking_distortion.ipynb", "04 · Distortion under masking",
         "How far does constrained decoding by token masking move the output distribution from the model's "
         "distribution conditioned on the grammar, per task?",
         ("distortion_per_task",),
@@ -84,9 +110,10 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
          ("mask_overhead_mean.*.*", "mask overhead, mean fill, {0}, {1}"),
          ("naive_slowdown", "naive mask slowdown"), ("naive_slowdown.*", "naive mask slowdown ({0})")),
         TIMING_METRICS + ("mask_us*", "decode_step*"),
+        package="constrained", gpu_check=("n_samples=8", "max_new_tokens=64"),
     ),
-    Question(
-        "consistency", "05 · Self-consistency with a shared prompt KV cache",
+    Notebook(
+        "consistency", "05_self_consistency_kv.ipynb", "05 · Self-consistency with a shared prompt KV cache",
         "How cheap does sharing the prompt's KV cache make self-consistency, and how does accuracy grow with "
         "the number of samples?",
         ("cost_vs_n",),
@@ -96,8 +123,42 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
          ("goal_measured_at.prompt_len", "measured at prompt length"), ("goal_measured_at.n", "measured at n samples"),
          ("greedy_accuracy", "greedy accuracy"), ("no_answer_rate", "no-answer rate")),
         TIMING_METRICS + ("cost*",),
+        package="consistency",
+        gpu_check=("n_problems=16", "n_values=[1,4,16]", "prompt_lengths=[512,2048]", "cost_n_values=[1,16]"),
+    ),
+    Notebook(
+        "reuse", "06_trace_reuse.ipynb", "06 · Reasoning-trace reuse",
+        "Can answered problems make the next similar one cheaper: which reuse of earlier reasoning traces cuts "
+        "target forward passes per query, at what accuracy, and how fast does the cost fall as the stream grows?",
+        ("amortization_curve", "forwards_and_speedup"),
+        (("lossless_all_identical", "lossless methods' greedy output identical to plain"),
+         ("amortization_ratio", "cost per query after N queries / first query's"),
+         ("shared_prefix.B=1.saved", "prefill time saved by the shared prefix (batch 1)")),
+        TIMING_METRICS + ("shared_prefix*",),
+        package="reuse",
+        gpu_check=("n_queries=60", "max_new_tokens=128", "step_thresholds=[0.5]", "batch_sizes=[1,16]"),
     ),
 )}
+
+
+def check_name(name: str) -> Notebook:
+    """The record of runner name `name`; ValueError listing the registered names otherwise."""
+    if name not in NOTEBOOKS:
+        raise ValueError(f"notebook={name!r} is not registered; allowed: {sorted(NOTEBOOKS)}")
+    return NOTEBOOKS[name]
+
+
+def bench_record(command: str) -> Notebook:
+    """The notebook whose code measures `decodelab bench COMMAND`."""
+    commands = {nb.bench[0]: nb for nb in NOTEBOOKS.values() if nb.bench}
+    if command not in commands:
+        raise ValueError(f"bench command {command!r} is not registered; allowed: {sorted(commands)}")
+    return commands[command]
+
+
+def bench_module(command: str) -> ModuleType:
+    """The module of `decodelab bench COMMAND`'s measurement, imported by its registered name."""
+    return importlib.import_module(bench_record(command).bench[1])
 
 
 def run_command(name: str, profile: str = "cpu") -> str:

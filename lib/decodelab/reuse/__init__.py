@@ -1,0 +1,9 @@
+"""Notebook 06: reasoning-trace reuse. Can answered problems make the next similar one cheaper?
+
+- `retrieval`  the trace cache of a query stream: n-gram and embedding similarity, thresholds
+- `align`      word alignment of two questions, substitution of a trace, splitting a trace into steps
+- `drafting`   `TraceDrafter`: the n-gram drafter copying from retrieved traces as well as the prompt (lossless)
+- `step_reuse` SpecReason-style step reuse as a policy of the engine's token loop (lossy, threshold-gated)
+- `methods`    every method run over the stream, one row per query
+- `summary`    per-method tables, paired accuracy, the amortization curve, goal rows and generated findings
+"""

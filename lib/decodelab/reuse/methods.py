@@ -1,0 +1,270 @@
+"""Every method of notebook 06 served over one query stream, in arrival batches: one row per query.
+
+A stream is served `batch_size` queries at a time; a batch retrieves only from traces of earlier batches
+(`retrieval.TraceCache`), and after serving adds its own outputs, so each method's cache holds what *that*
+method wrote. Methods (all greedy):
+
+    plain              chain-of-thought decoding, the reference
+    prompt_ngram       lossless: prompt lookup (n-gram drafts from the prompt + output), speculative verify
+    trace_draft        lossless: n-gram drafts from the retrieved traces first, then the prompt (`TraceDrafter`)
+    trace_draft_subst  lossless: the same, the traces rewritten with this query's numbers and names
+    shared_prefix      lossless: instruction + exemplar prefilled once and shared (`SharedPrefixKVCache`)
+    exemplar           lossy: the retrieved question + trace replace the fixed worked example in the prompt
+    step_reuse         lossy: the retrieved trace's steps proposed whole, accepted above a threshold
+
+Cost per query is counted in target forward passes (prefill included): each forward makes exactly one token
+the target chose itself (plain step, correction or bonus), so target-chosen tokens = forwards and every other
+output token was copied from a draft or a reused step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from decodelab.common.timing import timed
+from decodelab.core import engine
+from decodelab.core.shared_prefix import SharedPrefixKVCache
+from decodelab.reuse import align, step_reuse
+from decodelab.reuse.drafting import TraceDrafter
+from decodelab.reuse.retrieval import Entry, TraceCache, check_method, check_threshold, token_ngrams
+from decodelab.speculation import decode as spec_decode
+from decodelab.workloads import tasks
+
+METHODS = ("plain", "prompt_ngram", "trace_draft", "trace_draft_subst", "shared_prefix", "exemplar", "step_reuse")
+LOSSLESS = ("plain", "prompt_ngram", "trace_draft", "trace_draft_subst", "shared_prefix")
+RETRIEVING = ("trace_draft", "trace_draft_subst", "exemplar", "step_reuse")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method setting: kind (METHODS), retrieval method for the retrieving kinds, step threshold."""
+
+    kind: str
+    retrieval: str | None = None
+    threshold: float | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [self.kind] + ([self.retrieval] if self.retrieval else []) + (
+            [f"t={self.threshold:g}"] if self.threshold is not None else [])
+        return parts[0] if len(parts) == 1 else f"{parts[0]}[{', '.join(parts[1:])}]"
+
+    @property
+    def lossless(self) -> bool:
+        return self.kind in LOSSLESS or (self.threshold is not None and self.threshold >= 1)
+
+
+def check_method_kind(kind: str) -> str:
+    if kind not in METHODS:
+        raise ValueError(f"method={kind!r} is not a method; allowed: {list(METHODS)}")
+    return kind
+
+
+@dataclass
+class Setup:
+    """What every method of one run shares: the model, the stream, its prompts and retrieval features."""
+
+    lm: object
+    stream: list  # workloads.families.FamilyProblem, arrival order
+    max_new_tokens: int
+    draft_k: int = 6
+    max_ngram: int = 4
+    n_traces: int = 1
+    similarity_threshold: float = 0.5
+    embeddings: torch.Tensor | None = None  # (N, D) unit rows of the questions, or None without the embedder
+
+    def __post_init__(self):
+        check_threshold(self.similarity_threshold)
+        tok = self.lm.tokenizer
+        self.prompts = [tasks.arithmetic_prompt(p.question, tok) for p in self.stream]
+        self.ngrams = [token_ngrams(tok(p.question, add_special_tokens=False).input_ids) for p in self.stream]
+        self.eos = list(getattr(self.lm, "eos_token_ids", None) or [])
+        self.piece = lru_cache(maxsize=None)(lambda t: tok.decode([t]))
+        self.prefix = common_prefix(self.prompts)
+
+    def text(self, tokens: list[int]) -> str:
+        return self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.lm.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def common_prefix(prompts: list[list[int]]) -> list[int]:
+    """The longest token prefix every prompt shares (the instruction + exemplar), one token short of the
+    shortest prompt so every query keeps a suffix to prefill."""
+    first, n = prompts[0], min(map(len, prompts)) - 1
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return first[:n]
+
+
+def serve(setup: Setup, method: Method, *, batch_size: int = 1,
+          progress: bool = False) -> tuple[list[dict], list[dict]]:
+    """Serve the whole stream with `method` -> (one row per query, one row per batch)."""
+    check_method_kind(method.kind)
+    if method.kind in RETRIEVING:
+        check_method(method.retrieval or "")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be >= 1")
+    cache, query_rows, batch_rows = TraceCache(), [], []
+    shared = _prefix_cache(setup) if method.kind == "shared_prefix" else None
+    starts = range(0, len(setup.stream), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=f"{method.label} B={batch_size}", leave=False)
+    for start in starts:
+        idx = list(range(start, min(start + batch_size, len(setup.stream))))
+        hits = [_retrieve(setup, cache, method, i) for i in idx]
+        out = _run_batch(setup, method, idx, [h[0] for h in hits], shared)
+        batch_rows.append({"method": method.label, "kind": method.kind, "batch_size": batch_size, "start": start,
+                           "rows": len(idx), **{k: v for k, v in out.items() if not isinstance(v, list)}})
+        for j, i in enumerate(idx):
+            problem, tokens = setup.stream[i], out["tokens"][j]
+            text = setup.text(tokens)
+            answer = tasks.extract_answer(text)
+            best = hits[j][1]  # the nearest earlier query, above the threshold or not
+            query_rows.append({
+                "method": method.label, "kind": method.kind, "lossless": method.lossless, "batch_size": batch_size,
+                "query": i, "id": problem.id, "family": problem.family, "new_tokens": len(tokens),
+                "forwards": out["forwards"][j], "reused_tokens": max(0, len(tokens) - out["forwards"][j]),
+                "trace_tokens": out["trace_tokens"][j], "prefill_tokens": out["prefill_tokens"][j],
+                "similarity": float("nan") if best is None else best.similarity, "hit": bool(hits[j][0]),
+                "neighbour_family": None if best is None else best.entry.problem.family,
+                "answer": answer, "truth": problem.answer, "correct": answer == problem.answer,
+                "tokens": tokens, "text": text,
+            })
+            trace = [t for t in tokens if t not in setup.eos]
+            emb = None if setup.embeddings is None else setup.embeddings[i]
+            cache.add(Entry(problem, setup.ngrams[i], emb, trace, setup.text(trace)))
+    return query_rows, batch_rows
+
+
+def _retrieve(setup: Setup, cache: TraceCache, method: Method, i: int):
+    if method.kind not in RETRIEVING:
+        return [], None
+    emb = None if setup.embeddings is None else setup.embeddings[i]
+    return cache.retrieve(setup.ngrams[i], emb, method=method.retrieval, top=setup.n_traces,
+                          threshold=setup.similarity_threshold)
+
+
+def substituted(setup: Setup, hit, i: int) -> str:
+    """The hit's trace with the words its question and query i's question differ in swapped in."""
+    mapping = align.question_alignment(hit.entry.problem.question, setup.stream[i].question)
+    return align.substitute(hit.entry.trace_text, mapping)
+
+
+def _run_batch(setup: Setup, method: Method, idx: list[int], hits: list[list], shared) -> dict:
+    kind, lm, prompts = method.kind, setup.lm, [setup.prompts[i] for i in idx]
+    none = [0] * len(idx)
+    if kind in ("plain", "exemplar"):
+        if kind == "exemplar":
+            prompts = [_exemplar_prompt(setup, i, h) for i, h in zip(idx, hits)]
+        res = spec_decode.generate(lm, prompts, None, k=0, max_new_tokens=setup.max_new_tokens,
+                                   eos_token_ids=setup.eos)
+        return _out(res.tokens, [len(t) for t in res.tokens], none, prompts, res.stats)
+    if kind in ("prompt_ngram", "trace_draft", "trace_draft_subst"):
+        refs = [[] for _ in idx]
+        if kind != "prompt_ngram":
+            refs = [[setup.encode(substituted(setup, h, i)) if kind == "trace_draft_subst" else h.entry.trace_tokens
+                     for h in reversed(row_hits)] for i, row_hits in zip(idx, hits)]  # most similar last wins
+        drafter = TraceDrafter(refs, max_ngram=setup.max_ngram, name=kind)
+        res = spec_decode.generate(lm, prompts, drafter, k=setup.draft_k, max_new_tokens=setup.max_new_tokens,
+                                   eos_token_ids=setup.eos)
+        return _out(res.tokens, [1 + f for f in drafter.forwards], drafter.accepted["trace"], prompts, res.stats)
+    if kind == "step_reuse":
+        steps = []
+        for i, row_hits in zip(idx, hits):
+            trace = setup.encode(substituted(setup, row_hits[0], i)) if row_hits else []
+            steps.append(align.split_steps(trace, [setup.piece(t) for t in trace]))
+        tokens, stats = step_reuse.generate(lm, prompts, steps, setup.piece, threshold=method.threshold,
+                                            max_new_tokens=setup.max_new_tokens, eos_token_ids=setup.eos)
+        return _out(tokens, stats.forwards, stats.reused_tokens, prompts, stats)
+    return _shared_batch(setup, prompts, shared)
+
+
+def _out(tokens, forwards, trace_tokens, prompts, stats, prefill_tokens=None, **extra) -> dict:
+    return {"tokens": tokens, "forwards": list(forwards), "trace_tokens": list(trace_tokens),
+            "prefill_tokens": prefill_tokens or [len(p) for p in prompts], "new_tokens": stats.new_tokens,
+            "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "steps": len(stats.step_s), **extra}
+
+
+def _exemplar_prompt(setup: Setup, i: int, row_hits) -> list[int]:
+    """Query i's prompt with the retrieved question and its trace as the worked example (the fixed one
+    without a hit)."""
+    if not row_hits:
+        return setup.prompts[i]
+    hit = row_hits[0].entry
+    messages = [{"role": "user", "content": f"{tasks.COT_INSTRUCTION}\n\nProblem: {hit.problem.question}"},
+                {"role": "assistant", "content": hit.trace_text},
+                {"role": "user", "content": f"{tasks.COT_INSTRUCTION}\n\nProblem: {setup.stream[i].question}"}]
+    return tasks.chat_prompt_ids(setup.lm.tokenizer, messages)
+
+
+def _prefix_cache(setup: Setup) -> dict:
+    """The shared prefix prefilled once (its seconds are paid once per stream)."""
+    (cache, _logits), seconds = timed(lambda: engine.prefill(setup.lm, [setup.prefix], max_new_tokens=0),
+                                      setup.lm.device)
+    return {"cache": cache, "once_s": seconds}
+
+
+def _shared_batch(setup: Setup, prompts: list[list[int]], shared: dict) -> dict:
+    """Prefill each prompt in full (timed, the reference time to first token, then dropped), then only its suffix
+    onto the shared prefix, and decode from there with the engine."""
+    lm, P = setup.lm, len(setup.prefix)
+    device = lm.device
+    _, full_s = timed(lambda: engine.prefill(lm, prompts, max_new_tokens=0), device)
+    suffixes = [p[P:] for p in prompts]
+    engine.synchronize(device)
+    start = time.perf_counter()
+    cache = SharedPrefixKVCache.fork(shared["cache"], [len(prompts)],
+                                     max(map(len, suffixes)) + setup.max_new_tokens + 1)
+    tokens, lengths = engine.pad_prompts(suffixes, device)
+    logits = engine.extend(lm, cache, tokens, n_new=lengths, logits_at="last")
+    engine.synchronize(device)
+    suffix_s = time.perf_counter() - start
+    res = engine.generate(lm, prompts, max_new_tokens=setup.max_new_tokens, eos_token_ids=setup.eos,
+                          prefilled=(cache, logits))
+    res.stats.prefill_s += suffix_s
+    return _out(res.tokens, [len(t) for t in res.tokens], [0] * len(prompts), prompts, res.stats,
+                prefill_tokens=[len(s) for s in suffixes], full_prefill_s=full_s, suffix_prefill_s=suffix_s,
+                prefix_once_s=shared["once_s"], prefix_tokens=P)
+
+
+def plan(retrieval: list[str], step_thresholds: list[float]) -> list[Method]:
+    """The methods of one run: plain and prompt lookup, trace-as-draft raw (first retrieval method) and
+    substituted (every retrieval method), the shared prefix, trace-as-exemplar and one step-reuse setting per
+    threshold (first retrieval method)."""
+    if not retrieval:
+        raise ValueError(f"retrieval={retrieval!r} is empty; allowed: a non-empty list from ['ngram', 'embedding']")
+    for method in retrieval:
+        check_method(method)
+    for t in step_thresholds:
+        check_threshold(t, name="step_thresholds")
+    first = retrieval[0]
+    return ([Method("plain"), Method("prompt_ngram"), Method("trace_draft", first)]
+            + [Method("trace_draft_subst", r) for r in retrieval]
+            + [Method("shared_prefix"), Method("exemplar", first)]
+            + [Method("step_reuse", first, float(t)) for t in step_thresholds])
+
+
+def serve_all(setup: Setup, methods: list[Method], batch_sizes: list[int], large_batch_kinds: list[str], *,
+              progress: bool = False) -> tuple[list[dict], list[dict]]:
+    """Every method at batch 1, the kinds in `large_batch_kinds` at every other batch size -> (query rows,
+    batch rows), plain first at each batch size."""
+    for kind in large_batch_kinds:
+        check_method_kind(kind)
+    # One untimed generation first: the first forwards of a process pay one-time costs (allocator, thread
+    # pools) that would otherwise be charged to whichever method runs first (plain).
+    engine.generate(setup.lm, setup.prompts[:1], max_new_tokens=min(8, setup.max_new_tokens), eos_token_ids=[])
+    queries, batches = [], []
+    for batch in batch_sizes:
+        for method in methods:
+            if batch == 1 or method.kind in large_batch_kinds or method.kind == "plain":
+                q, b = serve(setup, method, batch_size=batch, progress=progress)
+                queries += q
+                batches += b
+    return queries, batches

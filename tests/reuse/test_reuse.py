@@ -1,0 +1,154 @@
+"""Trace reuse on the tiny model and on text: lossless drafting and step reuse at threshold 1 equal plain greedy
+decoding token for token; alignment, retrieval and the stream behave; bad input names parameter, value, allowed."""
+import math
+
+import pytest
+import torch
+
+from decodelab.core import engine
+from decodelab.reuse import align, step_reuse, summary
+from decodelab.reuse.drafting import ReferenceIndex, TraceDrafter
+from decodelab.reuse.retrieval import Entry, TraceCache, check_method, check_threshold, jaccard, token_ngrams
+from decodelab.speculation import decode as spec_decode
+from decodelab.speculation.drafters import Drafter, NGramDrafter
+from decodelab.workloads import families
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 256, (n,), generator=g).tolist() for n in (9, 14, 6)]
+
+
+def test_trace_drafter_is_a_drafter_and_lossless_on_tiny(tiny):
+    prompts = _prompts()
+    plain = engine.generate(tiny, prompts, max_new_tokens=24, eos_token_ids=[]).tokens
+    # references: each row's own plain output (a perfect trace), a shuffled one, and none
+    refs = [[plain[0]], [plain[1][::-1]], []]
+    drafter = TraceDrafter(refs, max_ngram=3)
+    assert isinstance(drafter, Drafter)
+    out = spec_decode.generate(tiny, prompts, drafter, k=5, max_new_tokens=24, eos_token_ids=[])
+    assert out.tokens == plain
+    assert drafter.accepted["trace"][0] > 0 and drafter.accepted["trace"][2] == 0
+    assert drafter.forwards[0] < 24  # the perfect trace saves target forwards
+
+
+def test_trace_drafter_without_references_is_prompt_lookup(tiny):
+    prompts = _prompts()
+    ours = spec_decode.generate(tiny, prompts, TraceDrafter([[], [], []], max_ngram=3), k=4, max_new_tokens=20,
+                                eos_token_ids=[])
+    ngram = spec_decode.generate(tiny, prompts, NGramDrafter(max_ngram=3), k=4, max_new_tokens=20, eos_token_ids=[])
+    assert ours.tokens == ngram.tokens and ours.stats.step_k == ngram.stats.step_k
+
+
+def test_reference_index_prefers_longest_match_then_last_reference():
+    index = ReferenceIndex([[1, 2, 3, 4], [9, 2, 3, 7]], max_ngram=3, min_ngram=1)
+    assert index.lookup([5, 2, 3], 2) == [7]  # "2 3" occurs in both: the last reference wins
+    assert index.lookup([1, 2, 3], 2) == [4]  # the 3-gram only in the first
+    assert index.lookup([8], 2) == []
+
+
+def _piece(t: int) -> str:
+    return "." if t % 5 == 0 else "x"
+
+
+def test_step_reuse_threshold_one_equals_plain_greedy(tiny):
+    prompts = _prompts()
+    plain = engine.generate(tiny, prompts, max_new_tokens=30, eos_token_ids=[]).tokens
+    steps = [align.split_steps(t, [_piece(x) for x in t]) for t in plain]
+    steps[1] = [[7, 8, 10], [3, 5]]  # a wrong trace: rejected, output unchanged
+    tokens, stats = step_reuse.generate(tiny, prompts, steps, _piece, threshold=1.0, max_new_tokens=30,
+                                        eos_token_ids=[])
+    assert tokens == plain
+    assert stats.accepted_steps == [0, 0, 0]
+    assert stats.forwards[0] < 30 and stats.reused_tokens[0] > 0  # its own trace: steps kept by the argmax
+    # one target-chosen token per forward (the last may be cut at max_new_tokens), the rest reused
+    assert all(len(tokens[b]) <= stats.forwards[b] + stats.reused_tokens[b] <= len(tokens[b]) + 1 for b in range(3))
+
+
+def test_step_reuse_threshold_zero_accepts_every_proposed_step(tiny):
+    prompts = _prompts()[:1]
+    steps = [[[11, 12, 15], [21, 22, 25], [31, 32, 35]]]
+    first = engine.generate(tiny, prompts, max_new_tokens=1, eos_token_ids=[]).tokens[0][0]
+    steps[0][0][0] = first  # the target's own first token opens step 0: its remainder is proposed
+    tokens, stats = step_reuse.generate(tiny, prompts, steps, _piece, threshold=0.0, max_new_tokens=20,
+                                        eos_token_ids=[])
+    assert tokens[0][:3] == steps[0][0] and stats.accepted_steps[0] >= 1
+    assert len(tokens[0]) <= stats.forwards[0] + stats.reused_tokens[0] <= len(tokens[0]) + 1
+
+
+def test_question_alignment_and_substitution():
+    old = "Tom has 7 apples. He buys 3 more apples."
+    new = "Anna has 12 pears. She buys 5 more pears."
+    mapping = align.question_alignment(old, new)
+    assert mapping == {"Tom": "Anna", "7": "12", "apples": "pears", "He": "She", "3": "5"}
+    trace = "Tom has 7 apples. He buys 3 more, so 7 + 3 = 10."
+    assert align.substitute(trace, mapping) == "Anna has 12 pears. She buys 5 more, so 12 + 5 = 10."
+    assert align.question_alignment(old, "A different question.") == {}
+    assert align.substitute("3 5", {"3": "5", "5": "8"}) == "5 8"  # one pass, no chaining
+
+
+def test_split_steps_cuts_after_step_ends():
+    assert align.split_steps([1, 2, 3, 4, 5], ["a", ".", "b", "\n", "c"]) == [[1, 2], [3, 4], [5]]
+    with pytest.raises(ValueError, match="one text per token"):
+        align.split_steps([1, 2], ["a"])
+
+
+def test_retrieval_ranks_by_similarity_and_applies_threshold():
+    cache = TraceCache()
+    assert cache.retrieve(token_ngrams([1, 2, 3]), None, method="ngram") == ([], None)
+    for tokens in ([1, 2, 3, 4], [7, 8, 9], [1, 2, 3, 9]):
+        embedding = torch.nn.functional.normalize(torch.tensor(tokens[:3]).float(), dim=0)
+        cache.add(Entry(None, token_ngrams(tokens), embedding, tokens, ""))
+    hits, best = cache.retrieve(token_ngrams([1, 2, 3, 4]), None, method="ngram", top=2, threshold=0.1)
+    assert [h.entry.trace_tokens for h in hits] == [[1, 2, 3, 4], [1, 2, 3, 9]] and best.similarity == 1.0
+    hits, _ = cache.retrieve(token_ngrams([7, 8, 9]), None, method="ngram", threshold=0.99)
+    assert [h.entry.trace_tokens for h in hits] == [[7, 8, 9]]
+    emb = torch.nn.functional.normalize(torch.tensor([1.0, 2.0, 3.0]), dim=0)
+    hits, best = cache.retrieve(frozenset(), emb, method="embedding")
+    assert 0 <= best.similarity <= 1 and math.isclose(best.similarity, 1.0, abs_tol=1e-6)
+    assert jaccard(frozenset(), frozenset()) == 0.0
+
+
+def test_stream_is_seeded_interleaved_and_answers_compute():
+    a, b = families.make_stream(40, seed=0), families.make_stream(40, seed=0)
+    assert a == b and len({p.family for p in a}) == len(families.FAMILIES)
+    assert a != families.make_stream(40, seed=1)
+    for p in a:
+        assert p.answer == p.values[-1] and len(set(p.values)) == len(p.values)
+    two = [p for p in a if p.family == "two_step"][0]
+    x, y, z = two.values[:3]
+    assert two.answer == x + y - z and f"{x} " in two.question
+    shipped = families.load_stream(30)
+    assert shipped == families.make_stream(240, seed=0)[:30]  # the data file is the seeded stream
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: families.check_families([]), r"families=\[\] is empty; allowed"),
+    (lambda: families.check_families(["algebra"]), r"unknown \['algebra'\]; allowed"),
+    (lambda: check_threshold(1.5), r"similarity_threshold=1.5 must be a number in \[0, 1\]"),
+    (lambda: check_threshold(-0.1, name="step_thresholds"), r"step_thresholds=-0.1"),
+    (lambda: check_method("bm25"), r"retrieval='bm25' is not a retrieval method; allowed: \['ngram', 'embedding'\]"),
+    (lambda: summary.check_warmup(5, 5), r"n_queries=5 is not longer than the cache warm-up warmup=5; allowed"),
+    (lambda: families.load_stream(10_000), r"n_queries=10000 must be between 1 and"),
+])
+def test_bad_input_names_parameter_value_and_allowed(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_load_stream_rejects_an_empty_family(tmp_path):
+    path = families.save_stream(families.make_stream(6, families=["two_step"]), tmp_path / "s.jsonl")
+    with pytest.raises(ValueError, match=r"\['running_total'\] have no problems .* \(an empty family\)"):
+        families.load_stream(3, families=["two_step", "running_total"], path=path)
+
+
+def test_amortization_ratio_and_best_token_cut():
+    rows = [{"method": m, "batch_size": 1, "query": q, "forwards": f}
+            for q in range(4) for m, f in (("plain", 10), ("x", [6, 5, 3, 2][q]))]
+    curve = summary.amortization(rows, "x", 1, window=2)
+    assert [c["relative_cost"] for c in curve] == [0.6, 0.5, 0.3, 0.2]
+    assert summary.amortization_ratio(curve, 4) == pytest.approx(0.25 / 0.6)
+    assert summary.amortization_ratio(curve, 5) is None
+    table = [{"batch_size": 1, "kind": "a", "method": "a", "target_token_cut": 3.0, "change_ci_low": -0.1},
+             {"batch_size": 1, "kind": "b", "method": "b", "target_token_cut": 2.0, "change_ci_low": 0.0}]
+    assert summary.best_token_cut(table)["method"] == "b"
