@@ -12,12 +12,12 @@ runs these functions with those settings and writes the table.
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
 
-from decodelab.core.engine import generate, synchronize
+from decodelab.common.timing import timed
+from decodelab.core.engine import generate
 
 BENCH_QUESTIONS = [
     "Explain in a few sentences why the sky is blue.",
@@ -80,11 +80,7 @@ IMPLS: dict[str, Callable] = {"ours": ours_greedy, "hf": hf_generate_greedy}
 
 def wall_clock(fn: Callable, model, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
     """The one outer clock both sides share: device-synchronized wall seconds of the whole call."""
-    synchronize(model.device)
-    start = time.perf_counter()
-    tokens = fn(model, prompts, max_new_tokens)
-    synchronize(model.device)
-    return tokens, time.perf_counter() - start
+    return timed(lambda: fn(model, prompts, max_new_tokens), model.device)
 
 
 def identical_rows(a: list[list[int]], b: list[list[int]]) -> int:

@@ -18,7 +18,6 @@ output token was copied from a draft or a reused step.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -218,14 +217,14 @@ def _shared_batch(setup: Setup, prompts: list[list[int]], shared: dict) -> dict:
     device = lm.device
     _, full_s = timed(lambda: engine.prefill(lm, prompts, max_new_tokens=0), device)
     suffixes = [p[P:] for p in prompts]
-    engine.synchronize(device)
-    start = time.perf_counter()
-    cache = SharedPrefixKVCache.fork(shared["cache"], [len(prompts)],
-                                     max(map(len, suffixes)) + setup.max_new_tokens + 1)
-    tokens, lengths = engine.pad_prompts(suffixes, device)
-    logits = engine.extend(lm, cache, tokens, n_new=lengths, logits_at="last")
-    engine.synchronize(device)
-    suffix_s = time.perf_counter() - start
+
+    def prefill_suffixes():
+        cache = SharedPrefixKVCache.fork(shared["cache"], [len(prompts)],
+                                         max(map(len, suffixes)) + setup.max_new_tokens + 1)
+        tokens, lengths = engine.pad_prompts(suffixes, device)
+        return cache, engine.extend(lm, cache, tokens, n_new=lengths, logits_at="last")
+
+    (cache, logits), suffix_s = timed(prefill_suffixes, device)
     res = engine.generate(lm, prompts, max_new_tokens=setup.max_new_tokens, eos_token_ids=setup.eos,
                           prefilled=(cache, logits))
     res.stats.prefill_s += suffix_s

@@ -19,11 +19,9 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from decodelab.workloads.paths import data_dir
 from decodelab.workloads.prompts import chat_prompt_ids
 
 ANSWER_FORMAT = "The answer is N."
-DATA_DIR = data_dir()  # the checkout's data/ (shipped task files), or $DECODELAB_DATA
 OPERATIONS = ("add", "sub", "mul")
 
 
