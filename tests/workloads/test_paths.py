@@ -29,3 +29,10 @@ def test_a_missing_parameter_file_names_the_parameter_and_the_places_tried(tmp_p
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"tasks_file='nope.json' is not a file \(looked for .*nope.json"):
         paths.resolve_path("nope.json", name="tasks_file")
+
+
+def test_writing_prompts_default_to_the_shipped_file():
+    from decodelab.workloads.tasks import load_writing_prompts
+
+    prompts = load_writing_prompts(n=3)
+    assert len(prompts) == 3 and all(isinstance(p, str) and p for p in prompts)

@@ -19,6 +19,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from decodelab.workloads.paths import data_file
 from decodelab.workloads.prompts import chat_prompt_ids
 
 ANSWER_FORMAT = "The answer is N."
@@ -219,9 +220,11 @@ def extract_answer(text: str) -> int | None:
 # --- writing prompts -------------------------------------------------------------------------------
 
 
-def load_writing_prompts(path: str | Path, n: int | None = None) -> list[str]:
-    """Open-ended writing prompts from a JSONL file of {"id", "prompt"} objects (first `n`)."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def load_writing_prompts(path: str | Path | None = None, n: int | None = None) -> list[str]:
+    """Open-ended writing prompts from a JSONL file of {"id", "prompt"} objects (first `n`; default file:
+    the shipped data/writing_prompts.jsonl)."""
+    path = data_file("writing_prompts.jsonl") if path is None else Path(path)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     prompts = [row["prompt"] for row in rows]
     return prompts[:n] if n is not None else prompts
 
