@@ -75,3 +75,45 @@ def test_bench_command_without_flags_uses_the_profiles_settings(monkeypatch, tmp
     smoke = bench_cli.notebook_settings("quickstart", "smoke")
     assert loaded == [models.DEFAULT_MODEL]
     assert measured == [(smoke["batch_sizes"], smoke["max_new_tokens"], smoke["repeats"])]
+
+
+def test_bench_sample_writes_sampler_and_step_times_per_filter(monkeypatch, tmp_path, capsys):
+    from decodelab.quickstart import sampler_bench
+
+    monkeypatch.setenv("DECODELAB_RESULTS", str(tmp_path))
+    monkeypatch.setattr(models, "load_model", lambda name: tiny_model(seed=0))
+    monkeypatch.setattr(bench, "chat_prompts", lambda tokenizer: PROMPTS)
+    assert bench_cli.main(["sample", "--batch-sizes", "1,2", "--repeats", "1"]) == 0
+    (folder,) = (tmp_path / "bench").iterdir()
+    assert folder.name.startswith("sample-")
+    import pandas as pd
+
+    table = pd.read_csv(folder / "sample.csv")
+    assert {"batch", "sampler", "order", "sampler_ms", "step_ms", "ratio", "repeats"} <= set(table.columns)
+    assert set(table.batch) == {1, 2}
+    assert set(table.sampler) == {sampler_bench.GREEDY, *sampler_bench.SAMPLERS}
+    assert (table.sampler_ms > 0).all() and (table.step_ms > 0).all()
+    assert ((table.ratio - table.sampler_ms / table.step_ms).abs() < 1e-9).all()
+    assert "| sampler / step |" in (folder / "sample.md").read_text()
+    env = json.loads((folder / "env.json").read_text())
+    assert env["params"]["what"] == "sample" and env["params"]["batch_sizes"] == [1, 2]
+
+
+def test_bench_sample_defaults_to_batches_1_16_64(monkeypatch, tmp_path):
+    from decodelab.quickstart import sampler_bench
+
+    monkeypatch.setenv("DECODELAB_RESULTS", str(tmp_path))
+    monkeypatch.setattr(models, "load_model", lambda name: tiny_model(seed=0))
+    seen = []
+    monkeypatch.setattr(sampler_bench, "sampler_cost",
+                        lambda model, batch_sizes, *, repeats: seen.append((batch_sizes, repeats)) or [])
+    monkeypatch.setattr(sampler_bench, "markdown_table", lambda rows: "")
+    assert bench_cli.main(["sample", "--profile", "smoke"]) == 0
+    assert seen == [([1, 16, 64], bench_cli.notebook_settings("quickstart", "smoke")["repeats"])]
+
+
+def test_bench_sample_bad_batch_sizes_fail_before_loading(monkeypatch, capsys):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli.main(["sample", "--batch-sizes", "0"])
+    assert exit_info.value.code == 2 and "argument --batch-sizes" in capsys.readouterr().err

@@ -5,8 +5,27 @@ The filters themselves (pure ``(B, V) -> (B, V)`` functions and their per-row th
 a chosen stage order over a batch whose rows may each have their own :class:`SamplerConfig`.
 
 Apart from typical sampling every filter is a threshold on the logit, and the pipeline exploits that:
-it sorts each row's values once, and applies each threshold both to the logits and to the sorted
-copy, which stays sorted. Top-k, top-p and the final inverse-CDF draw all read that one sorted copy.
+it keeps one ascending copy of each row's values, and applies each threshold both to the logits and to
+that copy, which stays sorted. Top-p and the final inverse-CDF draw read it.
+
+Cost: the copy is a full sort only where it has to be. The temperature and min-p stages need none (min-p is a
+threshold on the row's max); top-k reads its k-th largest value from the values above a one-pass lower
+bound (``filters.chunk_max_bound``), sorted: no full sort; after top-k or min-p the kept set is
+small, and the copy is the window of the L largest values, which stands for the
+full sorted row because everything left out of it is -inf (``filters.sorted_kept``). The full sort
+stays where the kept set is broad: plain temperature sampling and top-p applied first. There the
+draw's float rounding depends on the softmax normalizer summed over the whole sorted row, which no
+window reproduces; a window would change a draw where a uniform falls within rounding of an interval
+boundary, so same seed -> same token could not be promised.
+
+Common random numbers: ``Sampler.sample`` draws exactly one uniform u per row from the passed generator
+(also for greedy rows) and maps it to a token by the inverse CDF over the tokens ranked from least to
+most probable (``sample_inverse_cdf``): u near 0 picks the most probable token. Two samplers given
+generators in the same state therefore use the same u for each row and step, and their draws are
+coupled: a filter that keeps the head moves each head token's interval only by the renormalization, so
+paired comparisons between samplers see the differences of the filters, not of the noise. The fast
+paths above change no arithmetic that decides a token (the same values, in the same order, through the
+same kernels), so tokens are identical to the full-sort pipeline's for the same generator state.
 """
 
 from __future__ import annotations
@@ -14,18 +33,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from decodelab.core.filters import (
+    _WINDOW_FRACTION,
     NEG_INF,
     apply_temperature,
+    candidates_window,
+    chunk_max_bound,
     epsilon_filter,
     epsilon_threshold,
     eta_filter,
     eta_threshold,
+    is_full_window,
     min_p_filter,
     min_p_threshold,
     sort_values,
+    sorted_kept,
     top_k_filter,
     top_k_threshold,
     top_p_filter,
@@ -80,6 +105,8 @@ def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, sorted_asc: torch.
     (adding a float 0 never does), and the clamp for (1 - u) C rounding up to C lands on the argmax.
     Ties (equal logits) share the rank interval: the j-th of them in the order goes to the j-th
     such token id.
+    `sorted_asc` may be a window of the sorted row that stands for all of it (``filters.sorted_kept``):
+    the left-out entries are -inf, add 0 to every sum, and positions keep their offset from the end.
     """
     sa = sort_values(logits) if sorted_asc is None else sorted_asc
     B, V = sa.shape
@@ -89,12 +116,33 @@ def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, sorted_asc: torch.
     value = sa.gather(-1, pos)
     # position within the run of equal values; 0 for every row unless logits tie
     tie_rank = pos - torch.searchsorted(sa, value, right=False)
+    return _nth_token_with_value(logits, value, tie_rank)
+
+
+def _nth_token_with_value(logits: torch.Tensor, value: torch.Tensor, tie_rank: torch.Tensor) -> torch.Tensor:
+    """(B, V), (B, 1), (B, 1) -> (B,) long: per row the (tie_rank + 1)-th token id whose logit equals value."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        xn, vn, rn = logits.detach().contiguous().numpy(), value.numpy(), tie_rank.numpy()[:, 0]
+        equal = xn == vn
+        tokens = np.argmax(equal, axis=-1)  # the first token holding that value
+        for row in np.flatnonzero(rn > 0):  # ties: slot j of the run goes to the j-th such token id
+            tokens[row] = np.flatnonzero(equal[row])[rn[row]]
+        return torch.from_numpy(tokens.astype(np.int64))
     equal = logits == value
     if not bool((tie_rank > 0).any()):
         return equal.view(torch.uint8).argmax(dim=-1)  # the one token holding that value
     # the run of equal values holds one slot per tied token: slot j goes to the j-th such token id
     nth = equal.cumsum(dim=-1)  # 1-based count of equal tokens up to each id
     return (equal & (nth == tie_rank + 1)).view(torch.uint8).argmax(dim=-1)
+
+
+def _mask_below_(x: torch.Tensor, thr: torch.Tensor) -> None:
+    """In place: x[x < thr] = -inf, (B, V) and (B, 1); numpy's masked copy on CPU (same values, ~5x faster)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.is_contiguous():
+        xn = x.numpy()
+        np.copyto(xn, NEG_INF, where=xn < thr.detach().numpy())  # numpy promotes as torch does
+    else:
+        x.masked_fill_(x < thr, NEG_INF)
 
 
 def draw_uniforms(generator, batch_size: int, device=None) -> torch.Tensor:
@@ -232,7 +280,8 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[0]} rows but the sampler has {len(self.configs)} configs")
 
     def _run(self, logits: torch.Tensor, need_sorted: bool):
-        """(B, V) -> processed (B, V) float32 and, if need_sorted, its ascending sort (or None)."""
+        """(B, V) -> processed (B, V) float32 and, if need_sorted, its ascending copy (or None): the full
+        sort or a window of it that stands for the full sort (``filters.sorted_kept``)."""
         self._check(logits)
         x = logits.float()
         p = self._params(x.device)
@@ -250,27 +299,38 @@ class Sampler:
             if stage == "typical_p":
                 x, sa = typical_filter(x, p["typical_p"]), None  # not a threshold: the sort goes stale
                 continue
-            if stage in ("top_k", "top_p") and sa is None:
-                sa = sort_values(x)
+            if stage == "top_p" and sa is None:
+                sa = sorted_kept(x)
+            if stage == "top_k" and sa is None and x.device.type == "cpu":
+                # every value >= a lower bound on the k-th largest: a window holding each row's top k,
+                # so the k-th largest is read from it; after the cut it stands for the full sort
+                k_max, V = int(self._cpu["top_k"].max()), x.shape[-1]
+                bound = None
+                if 0 < k_max <= V // (4 * _WINDOW_FRACTION) and bool((self._cpu["top_k"] > 0).all()):
+                    bound = chunk_max_bound(x, k_max)
+                if bound is not None:
+                    sa = candidates_window(x, bound, min_length=k_max)
             thr = {
                 "top_k": lambda: top_k_threshold(x, p["top_k"], sa),
                 "top_p": lambda: top_p_threshold(x, p["top_p"], sa),
-                "min_p": lambda: min_p_threshold(x, p["min_p"]),
+                "min_p": lambda: min_p_threshold(x if sa is None else sa, p["min_p"]),  # same row max
                 "epsilon": lambda: epsilon_threshold(x, p["epsilon"]),
                 "eta": lambda: eta_threshold(x, p["eta"]),
             }[stage]()
             # the same threshold on the logits and on their sorted copy keeps the two consistent
             x = x.clone() if x.data_ptr() == logits.data_ptr() else x
-            x.masked_fill_(x < thr, NEG_INF)
+            _mask_below_(x, thr)
             if sa is not None:
-                sa.masked_fill_(sa < thr, NEG_INF)
+                _mask_below_(sa, thr)
+                if sa.shape[-1] < x.shape[-1] and not is_full_window(sa):
+                    sa = None  # a kept value may lie outside the window (top-k off in a row, long ties)
         if self._any_greedy:  # T = 0: one-hot on the raw argmax, whatever ran before
             raw = logits.float()
             onehot = torch.zeros_like(raw, dtype=torch.bool).scatter_(-1, raw.argmax(-1, keepdim=True), True)
             x = torch.where(p["greedy"], raw.masked_fill(~onehot, NEG_INF), x)
             sa = None
         if need_sorted and sa is None:
-            sa = sort_values(x)
+            sa = sorted_kept(x)
         return x, sa
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@
     decodelab list --runs [NAME]
     decodelab prepare
     decodelab bench decode [...]
+    decodelab bench sample [...]
     decodelab report [...]
     decodelab findings [...]
 """
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="one line per notebook: NAME and its -p overrides for scripts/gpu_check.sh")
     sub.add_parser("prepare", help="convert the embedded model's weights once and print where they are")
     for name, text in (
-        ("bench", "benchmarks: `decodelab bench decode --help`"),
+        ("bench", "benchmarks: `decodelab bench decode --help`, `decodelab bench sample --help`"),
         ("report", "build results/report/index.html from the latest runs"),
         ("findings", "regenerate the README's Findings section from the latest cpu runs"),
     ):
