@@ -11,7 +11,7 @@ import torch
 from decodelab.constrained.bitmask import bitmask_to_bool, bool_to_bitmask
 from decodelab.constrained.constraint import Constraint
 from decodelab.constrained.engines.base import MaskEngine, Matcher
-from decodelab.constrained.engines.xgrammar import XGrammarEngine
+from decodelab.constrained.engines.xgrammar import XGrammarEngine, XGrammarMatcher
 
 
 class NaiveEngine(MaskEngine):
@@ -96,8 +96,9 @@ class NaiveRegexMatcher(Matcher):
         return ""  # the reference does not jump forward
 
 
-class NaiveJsonMatcher(Matcher):
-    """Allows a token when XGrammar's automaton accepts it from the current state (tried, then rolled back)."""
+class NaiveJsonMatcher(XGrammarMatcher):
+    """Allows a token when XGrammar's automaton accepts it from the current state (tried, then rolled back).
+    Accepting, rolling back and termination are the wrapped matcher's, as in `XGrammarMatcher`."""
 
     def __init__(self, xgr_matcher, vocab_size, stop_token_ids, keep=None):
         self.m, self.vocab_size, self.stops = xgr_matcher, vocab_size, stop_token_ids
@@ -111,16 +112,6 @@ class NaiveJsonMatcher(Matcher):
                     allowed[0, token] = True
                     self.m.rollback(1)
         bitmask[row] = bool_to_bitmask(allowed)[0]
-
-    def accept(self, token):
-        return bool(self.m.accept_token(int(token)))
-
-    def rollback(self, n):
-        if n:
-            self.m.rollback(n)
-
-    def is_terminated(self):
-        return bool(self.m.is_terminated())
 
     def forced_string(self):
         return ""
