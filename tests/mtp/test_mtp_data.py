@@ -6,13 +6,8 @@ from decodelab.mtp import data as mtp_data
 
 
 @pytest.fixture
-def tree(tmp_path, monkeypatch):
-    monkeypatch.setenv("DECODELAB_CACHE", str(tmp_path / "cache"))
-    root = tmp_path / "lib"
-    for i in range(40):
-        package = root / f"pkg{i % 4}"
-        package.mkdir(parents=True, exist_ok=True)
-        (package / f"mod{i}.py").write_text(f"def function_{i}(value):\n    return value + {i}\n" * (i + 1))
+def tree(source_tree):
+    root = source_tree
     for skipped in ("test/test_x.py", "pkg0/tests/test_y.py", "idlelib/idle_test/t.py", "site-packages/z.py"):
         (root / skipped).parent.mkdir(parents=True, exist_ok=True)
         (root / skipped).write_text("SKIPPED = True\n")

@@ -14,14 +14,8 @@ from decodelab.mtp import model as mtp
 
 
 @pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("DECODELAB_CACHE", str(tmp_path / "cache"))
-    root = tmp_path / "lib"
-    for i in range(40):
-        package = root / f"pkg{i % 4}"
-        package.mkdir(parents=True, exist_ok=True)
-        (package / f"mod{i}.py").write_text(f"def function_{i}(value):\n    return value + {i}\n" * (i + 1))
-    return mtp_data.load_corpus(root, val_fraction=0.25)
+def corpus(source_tree):
+    return mtp_data.load_corpus(source_tree, val_fraction=0.25)
 
 
 def frozen_on(corpus) -> LoadedModel:
