@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decodelab.suite import answers, records, registry, report
+from decodelab.suite import answers, budget, records, registry, report
 from decodelab.suite.answers import NO_RUN, RUN_LINE, provenance_line, relative, run_line
 from decodelab.suite.bench_block import BenchRun, latest_bench, load_bench, render_bench  # noqa: F401 (re-exported)
 
@@ -90,10 +90,15 @@ def finding_md(question: registry.Notebook, record: report.RunRecord | None, fig
     return head + "\n".join(p for p in parts if p)
 
 
+def intro_md(selected: dict[str, report.RunRecord | None]) -> str:
+    """What precedes the entries: the generated-block notice and the suite's time budget from the same runs."""
+    return INTRO + "### Time budget\n\n" + budget.budget_md(selected) + "\n"
+
+
 def render_findings(selected: dict[str, report.RunRecord | None], links: dict[str, str], profile: str,
                     root: Path) -> str:
-    """The whole findings block (without the markers)."""
-    return INTRO + "\n".join(
+    """The whole findings block (without the markers): the time budget, then one entry per notebook."""
+    return intro_md(selected) + "\n".join(
         finding_md(registry.NOTEBOOKS[name], selected.get(name), links.get(name), profile,
                    source_of(selected.get(name), root))
         for name in registry.NOTEBOOKS
@@ -300,8 +305,6 @@ def check_readme(readme: str | Path, *, root: str | Path | None = None, profile:
     # findings
     block = block_of(text, START, END, str(readme))
     intro, entries = _sections(block)
-    if intro != INTRO:
-        result.stale.append("findings block: the text before the first entry is not the generated one")
     if list(entries) != list(registry.NOTEBOOKS):
         result.stale.append(f"findings block has entries {list(entries)}, expected {list(registry.NOTEBOOKS)}")
     selected: dict[str, report.RunRecord | None] = {}
@@ -325,6 +328,9 @@ def check_readme(readme: str | Path, *, root: str | Path | None = None, profile:
         latest = report.latest_ok(name, root=root, profile=profile)
         if latest is not None and source_of(latest, root) != source:
             result.newer.append(f"{name}: {source_of(latest, root)} (README shows {source})")
+    if not result.missing and intro != intro_md(selected):
+        result.stale.append("findings block: the text before the first entry (notice and time budget) is not "
+                            "the generated one")
     return result
 
 
