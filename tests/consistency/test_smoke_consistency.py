@@ -63,3 +63,36 @@ def test_measured_kv_bytes_match_each_cache_layout_on_smoke(smoke_runs):
             length = row.prompt_len + row.new_tokens
             assert row.cache_bytes * length == row.kv_bytes_analytic * (length - 1)
     assert (cost.seconds <= cost.seconds_max).all() and (cost.repeats == _params(smoke_runs)["cost_repeats"]).all()
+
+
+def test_deepconf_online_run_equals_its_replay_on_smoke(smoke_runs):
+    params, metrics = _params(smoke_runs), smoke_runs.metrics(NAME)
+    check = metrics["deepconf_online_check"]
+    assert check["equal_to_replay"] is True
+    assert check["rows"] == check["problems"] * max(params["n_values"])
+    assert check["tokens"] <= check["tokens_unstopped"]
+
+
+def test_deepconf_rows_sit_beside_the_other_rules_on_smoke(smoke_runs):
+    params, metrics = _params(smoke_runs), smoke_runs.metrics(NAME)
+    early = metrics["early_stop"]
+    assert early[0]["method"] == "majority" and early[0]["tokens_saved"] == 0
+    online = [r for r in early if r["method"] == "deepconf_online"]
+    assert len(online) == len(params["confidence_keep"])
+    assert all(r["mean_tokens"] <= early[0]["mean_tokens"] for r in online)  # stopping never adds tokens
+    votes = {r["vote"] for r in metrics["accuracy_vs_n"]}
+    assert {"majority", "weighted", "confidence"} | {f"conf_top{k:g}" for k in params["confidence_keep"]} == votes
+    names = {g["name"] for g in metrics["goals"]}
+    assert {"deepconf_tokens_saved", "deepconf_accuracy_change", "sc16_vs_one_sample",
+            "sc16_vs_one_sample_early_stop", "sc64_vs_one_sample"} <= names
+
+
+def test_sc_vs_one_sample_rows_on_smoke(smoke_runs):
+    params, metrics = _params(smoke_runs), smoke_runs.metrics(NAME)
+    rows = metrics["sc_vs_one_sample"]
+    assert [r["n"] for r in rows] == params["sc_n_values"]
+    for row in rows:
+        assert row["ratio"] == pytest.approx(row["seconds"] / row["one_sample_seconds"])
+        assert row["prompt_len"] == max(params["prompt_lengths"]) and row["new_tokens"] == params["cost_new_tokens"]
+    gpu = metrics["sc_gpu_roofline"]
+    assert [r["n"] for r in gpu] == params["sc_n_values"] and gpu[0]["gpu_ratio"] == pytest.approx(1.0)
