@@ -101,6 +101,7 @@ def test_online_stops_are_prefixes_and_match_the_replay(tiny):
         want = len(ref_loop.tokens[row]) if stop is None else stop
         assert loop.tokens[row] == ref_loop.tokens[row][:want]
         assert policy.stopped_low[row] == (stop is not None)
+    assert len(loop.rows) < 6  # stopped rows left the batch (per-row generators), yet the others are unchanged
 
 
 def test_online_vote_with_infinite_threshold_is_plain_majority():

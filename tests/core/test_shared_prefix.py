@@ -228,3 +228,35 @@ def test_return_logprobs_false_leaves_the_tokens_unchanged(tiny):
     with_lp = generate_shared(tiny, _prompts(), 2, generator=_generators(4, 6), **kwargs)
     without = generate_shared(tiny, _prompts(), 2, generator=_generators(4, 6), return_logprobs=False, **kwargs)
     assert without.tokens == with_lp.tokens and without.logprobs is None and with_lp.logprobs is not None
+
+
+@pytest.mark.parametrize("keep", [[0, 1, 5, 7, 8], [4, 5, 6, 7], [2], list(range(12))])
+def test_selected_rows_decode_as_they_would_in_the_full_cache(tiny, keep):
+    """Compaction: after select(keep) the kept rows' next logits equal the full cache's for those rows, including
+    when whole prompts lose every row (their shared KV is dropped) and prompts differ in length."""
+    from decodelab.core import engine
+
+    prompts = _prompts()
+    prefix_cache, _ = engine.prefill(tiny, prompts, max_new_tokens=0)
+    full = SharedPrefixKVCache.fork(prefix_cache, [4, 4, 4], max_new_tokens=6)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        engine.decode_step(tiny, full, torch.randint(0, 64, (12,), generator=g))
+    small = full.select(keep)
+    assert small.batch_size == len(keep) and sum(small.row_counts) == len(keep)
+    assert small.lengths.tolist() == [full.lengths[r].item() for r in keep]
+    for _ in range(2):
+        tokens = torch.randint(0, 64, (12,), generator=g)
+        expected = engine.decode_step(tiny, full, tokens)[keep]
+        got = engine.decode_step(tiny, small, tokens[keep])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_select_refuses_rows_out_of_order_or_range(tiny):
+    from decodelab.core import engine
+
+    prefix_cache, _ = engine.prefill(tiny, _prompts(), max_new_tokens=0)
+    cache = SharedPrefixKVCache.fork(prefix_cache, [2, 2, 2], max_new_tokens=4)
+    for rows in ([3, 1], [0, 0], [6]):
+        with pytest.raises(ValueError, match="increasing distinct rows"):
+            cache.select(rows)

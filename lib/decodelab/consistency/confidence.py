@@ -104,8 +104,10 @@ class ConfidenceStopPolicy(engine.PolicyBase):
     """Plain sampling that also records each row's token confidences and log-probs, and finishes a row the
     first time its group confidence over `window` tokens falls below the row's threshold.
 
-    thresholds: one per row (NEVER_STOP = run to the end). Finished rows ride along (no compaction: a
-    shared-prefix cache cannot drop rows), so every row's tokens up to its stop equal the unstopped run's.
+    thresholds: one per row (NEVER_STOP = run to the end). With one generator per row (or greedy), finished
+    rows leave the batch (`compact`, set by `decode_with_confidence`), so a stopped trace stops costing; each
+    row draws from its own stream, so its tokens up to its stop still equal the unstopped run's. With one
+    shared generator they ride along instead: dropping a row would shift the shared stream for the others.
     """
 
     def __init__(self, thresholds: Sequence[float], *, window: int, top_k: int = CONFIDENCE_TOP_K):
@@ -114,7 +116,7 @@ class ConfidenceStopPolicy(engine.PolicyBase):
         self.confidences: list[list[float]] = [[] for _ in self.thresholds]
         self.logprobs: list[list[float]] = [[] for _ in self.thresholds]
         self.stopped_low = [False] * len(self.thresholds)
-        self.next_tokens = None
+        self.next_tokens, self.next_by_row = None, {}
 
     def first(self, loop: engine.TokenLoop, logits: torch.Tensor) -> dict[int, list[int]]:
         if len(self.thresholds) != loop.batch:
@@ -126,10 +128,14 @@ class ConfidenceStopPolicy(engine.PolicyBase):
             if not loop.done[row]:
                 self.confidences[row].append(confidence[i])
                 self.logprobs[row].append(chosen[i])
-        return dict(zip(loop.rows, ([t] for t in self.next_tokens.tolist())))
+        self.next_by_row = dict(zip(loop.rows, self.next_tokens.tolist()))
+        return {row: [token] for row, token in self.next_by_row.items()}
 
     def feed(self, loop: engine.TokenLoop) -> engine.Feed:
-        return engine.Feed(self.next_tokens[:, None], mode="step")
+        if len(loop.rows) == len(self.next_by_row):
+            return engine.Feed(self.next_tokens[:, None], mode="step")
+        kept = [self.next_by_row[row] for row in loop.rows]  # the batch was compacted since the last pick
+        return engine.Feed(torch.tensor(kept, dtype=torch.long, device=self.next_tokens.device)[:, None], mode="step")
 
     def stopped(self, loop: engine.TokenLoop, row: int) -> bool:
         seen = len(self.confidences[row])
@@ -160,6 +166,7 @@ def decode_with_confidence(model, prompts: list[list[int]], n, *, max_new_tokens
     if len(thresholds) != len(rows):
         raise ValueError(f"thresholds has {len(thresholds)} entries for {len(rows)} rows; need one per row")
     policy = ConfidenceStopPolicy(thresholds, window=window, top_k=top_k)
+    policy.compact = sampler is None or isinstance(generator, (list, tuple))
     tr = engine.as_transformer(model)
     stats = DecodeStats(batch_size=len(rows), prompt_tokens=sum(len(p) for p in rows))
     prefix_cache, logits = engine.prefill(tr, prompts, max_new_tokens=0)

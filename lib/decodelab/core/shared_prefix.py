@@ -171,6 +171,36 @@ class SharedPrefixKVCache:
         keys, values = prefix_cache.keys[:, :, :, :span], prefix_cache.values[:, :, :, :span]
         return cls(keys, values, prefix_cache.lengths, row_counts, max_new_tokens)
 
+    def select(self, rows: torch.Tensor | list[int]) -> "SharedPrefixKVCache":
+        """A new cache holding only `rows` (increasing, so each prompt's rows stay contiguous): their suffixes
+        are copied, prompts left without a row are dropped, and the kept prompts' KV stays shared (a view when
+        every prompt keeps a row). This is what lets the token loop drop finished rows (compaction)."""
+        rows = [int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)]
+        if rows != sorted(set(rows)) or (rows and not 0 <= rows[0] <= rows[-1] < self.batch_size):
+            raise ValueError(f"select(rows={rows}) needs increasing distinct rows in [0, {self.batch_size})")
+        device = self.lengths.device
+        index = torch.tensor(rows, device=device, dtype=torch.long)
+        old_prompt = self.row_prompt[index]
+        kept_prompts = sorted(set(old_prompt.tolist()))
+        out = SharedPrefixKVCache.__new__(SharedPrefixKVCache)
+        if len(kept_prompts) == self.n_prompts:
+            out.prefix_keys, out.prefix_values = self.prefix_keys, self.prefix_values
+        else:
+            chosen = torch.tensor(kept_prompts, device=device, dtype=torch.long)
+            out.prefix_keys, out.prefix_values = self.prefix_keys[:, chosen], self.prefix_values[:, chosen]
+        renumber = {p: i for i, p in enumerate(kept_prompts)}
+        out.prefix_lengths = self.prefix_lengths[torch.tensor(kept_prompts, device=device, dtype=torch.long)]
+        out.row_prompt = torch.tensor([renumber[p] for p in old_prompt.tolist()], device=device, dtype=torch.long)
+        out.row_counts = [int((out.row_prompt == i).sum()) for i in range(len(kept_prompts))]
+        out.suffix_keys = self.suffix_keys[:, index].clone()
+        out.suffix_values = self.suffix_values[:, index].clone()
+        out._row_prefix = self._row_prefix[index].clone()
+        out.lengths = self.lengths[index].clone()
+        out._rows = torch.arange(len(rows), device=device)
+        mask = torch.arange(out.prefix_keys.shape[3], device=device)[None, :] < out.prefix_lengths[:, None]
+        out._prefix_mask = None if bool(mask.all()) else mask
+        return out
+
     @property
     def batch_size(self) -> int:
         return self.suffix_keys.shape[1]
