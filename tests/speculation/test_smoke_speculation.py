@@ -42,3 +42,24 @@ def test_roofline_error_is_recorded_held_out_and_in_sample_on_smoke(smoke_runs):
     mid = len(errors) // 2
     median = errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
     assert m["roofline_heldout_error"] == pytest.approx(median)
+
+
+def test_k0_benchmark_and_never_loses_goals_are_recorded_on_smoke(smoke_runs):
+    m = smoke_runs.metrics("speculation")
+    names = {g["name"] for g in m["goals"]}
+    assert "k0_overhead" in names
+    assert any(n.startswith("adaptive_vs_plain_every_batch_") for n in names)
+    assert any(n.startswith("adaptive_fraction_of_best_fixed_k_every_batch_") for n in names)
+    runs = m["k0_overhead"]
+    assert runs and all(r["nonzero_k_steps"] == 0 and r["same_tokens"] is True for r in runs)
+    k0 = next(g for g in m["goals"] if g["name"] == "k0_overhead")
+    assert k0["value"] == pytest.approx(max(r["overhead"] for r in runs))
+    for c in m["speedup"]:  # every cell's interval is an interval; plain's brackets 1
+        assert c["speedup_low"] <= c["speedup_high"], c
+    plain = [c for c in m["speedup"] if c["drafter"] == "plain"]
+    assert plain and all(c["speedup_low"] <= 1.0 <= c["speedup_high"] for c in plain)
+    worst = {g["name"]: g["value"] for g in m["goals"] if g["name"].startswith("adaptive_vs_plain_every_batch_")}
+    for name, value in worst.items():
+        drafter = name.removeprefix("adaptive_vs_plain_every_batch_")
+        lows = [c["speedup_low"] for c in m["speedup"] if c["drafter"] == drafter and c["k"] == "adaptive"]
+        assert value == pytest.approx(min(lows))

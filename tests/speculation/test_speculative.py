@@ -122,6 +122,7 @@ from decodelab.speculation import decode as speculative  # noqa: E402
 from decodelab.speculation import policy as spec_policy  # noqa: E402
 from decodelab.speculation.drafters import LayerSkipDrafter, ModelDrafter, NGramDrafter, make_drafter, truncated_model  # noqa: E402
 from decodelab.speculation.roofline import Hardware, ModelShape, step_time  # noqa: E402
+from decodelab.speculation.row_policy import RowBudgetPolicy  # noqa: E402
 
 
 def _prompts(batch, seed=0, vocab=256):
@@ -147,14 +148,21 @@ def _drafters(model):
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("drafter", ["ngram", "layer_skip", "draft_model"])
-@pytest.mark.parametrize("k", [1, 4, "adaptive"])
+@pytest.mark.parametrize("k", [1, 4, "adaptive", "rows"])
 def test_greedy_speculative_equals_plain_greedy_token_for_token(tiny, batch, drafter, k):
     prompts = _prompts(batch)
     ref = engine.generate(tiny, prompts, max_new_tokens=30, eos_token_ids=[])
-    policy = _adaptive(tiny) if k == "adaptive" else k
+    # "rows": per-row k under a verify budget of batch + 2 tokens, on a free verify (mixed k per step)
+    policy = (_adaptive(tiny) if k == "adaptive" else k if k != "rows"
+              else RowBudgetPolicy(lambda b, n, s: 1.0, verify_budget=batch + 2))
     out = speculative.generate(tiny, prompts, _drafters(tiny)[drafter](), k=policy, max_new_tokens=30, eos_token_ids=[])
     assert out.tokens == ref.tokens
     assert out.stats.tau >= 1.0
+    if k == "rows":
+        assert out.stats.row_k and all(sum(max(x, 0) for x in ks) <= 2 for ks in out.stats.row_k)
+        assert any(max(ks) > 0 for ks in out.stats.row_k)
+        if batch > 1 and drafter != "ngram":  # the budget covers 2 drafts: 3 rows cannot all get the same k > 0
+            assert any(len(set(ks)) > 1 for ks in out.stats.row_k)
 
 
 def test_eos_inside_an_accepted_run_ends_the_row(tiny):
@@ -202,8 +210,9 @@ def _exact_marginals(model, prompt, sampler, n_positions):
     return marginals
 
 
-@pytest.mark.parametrize("drafter", ["layer_skip", "ngram"])
-def test_sampled_speculative_decoding_is_indistinguishable_from_plain_sampling(drafter):
+@pytest.mark.parametrize("drafter,per_row", [("layer_skip", False), ("ngram", False), ("layer_skip", True),
+                                              ("ngram", True)])
+def test_sampled_speculative_decoding_is_indistinguishable_from_plain_sampling(drafter, per_row):
     from scipy.stats import chisquare
 
     model = tiny_model(seed=1, vocab_size=24)
@@ -212,8 +221,12 @@ def test_sampled_speculative_decoding_is_indistinguishable_from_plain_sampling(d
     exact = _exact_marginals(model, prompt, sampler, 3)
     n_rows = 3000
     d = LayerSkipDrafter(model, [0, 1]) if drafter == "layer_skip" else NGramDrafter(max_ngram=2)
-    out = speculative.generate(model, [prompt] * n_rows, d, k=3, max_new_tokens=3, sampler=sampler,
+    # per_row: each row's k from its own acceptance, a budget of 2 drafts per row on average (mixed k, 0 too)
+    k = RowBudgetPolicy(lambda b, n, s: 1.0, ks=(0, 1, 3), verify_budget=3 * n_rows, min_gain=0.0) if per_row else 3
+    out = speculative.generate(model, [prompt] * n_rows, d, k=k, max_new_tokens=3, sampler=sampler,
                                generator=torch.Generator().manual_seed(0), eos_token_ids=[])
+    if per_row:
+        assert any(len(set(ks)) > 1 for ks in out.stats.row_k)  # rows really verified different k
     assert sum(out.stats.accepted) > 50  # drafts were accepted: positions 2 and 3 often came through verification
     for pos, want in enumerate(exact):
         counts = torch.bincount(torch.tensor([row[pos] for row in out.tokens]), minlength=want.numel()).double()
@@ -457,7 +470,8 @@ def test_goals_the_run_could_not_measure_are_not_measured():
     goals = {g.name: g for g in speculative_bench.speculation_goals(rows, drafters=["ngram"], grid_category="chat")}
     assert set(goals) == {"ngram_speedup_b1_code", "ngram_ours_over_hf_prompt_lookup",
                           "adaptive_vs_plain_at_largest_batch_ngram", "adaptive_fraction_of_best_fixed_k_b1_ngram",
-                          "roofline_heldout_error"}
+                          "roofline_heldout_error", "adaptive_vs_plain_every_batch_ngram",
+                          "adaptive_fraction_of_best_fixed_k_every_batch_ngram", "k0_overhead"}
     assert all(g.value is None and g.met is None and g.status == "not measured" for g in goals.values())
     assert "code_edit" in goals["ngram_speedup_b1_code"].note
 

@@ -13,6 +13,7 @@ import torch
 from decodelab.common.timing import timed
 from decodelab.core.engine import as_transformer, verify_step
 from decodelab.speculation.decode import SpecStats, generate, prefill
+from decodelab.speculation.speedup_stats import speedup_interval
 
 
 @torch.inference_mode()
@@ -92,17 +93,62 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
 
     runs = [("plain", lambda: None, 0)] + list(methods)
     best: list = [None] * len(runs)
+    rounds: list[list[tuple]] = [[] for _ in runs]  # per method: (step_tokens, step_s) of every round
     for rnd in range(repeats):
         # rotate the order each round so no method always runs first after the prefill (or after another)
         for i in [(rnd + j) % len(runs) for j in range(len(runs))]:
             _, make, k = runs[i]
             res = one(make(), k(B) if callable(k) else k)
+            rounds[i].append((res.stats.step_tokens, res.stats.step_s))
             if best[i] is None or res.stats.decode_s < best[i].stats.decode_s:
                 best[i] = res
     plain_tps = best[0].stats.decode_tokens_per_s
-    return [_row(res.stats, batch=B, drafter=name, k="adaptive" if callable(k) else k, repeats=repeats,
-                 speedup=res.stats.decode_tokens_per_s / plain_tps, tokens=res.tokens)
-            for (name, _, k), res in zip(runs, best)]
+    out = []
+    for (name, _, k), res, method_rounds in zip(runs, best, rounds):
+        low, high = speedup_interval(rounds[0], method_rounds, seed=seed)
+        out.append(_row(res.stats, batch=B, drafter=name, k="adaptive" if callable(k) else k, repeats=repeats,
+                        speedup=res.stats.decode_tokens_per_s / plain_tps, speedup_low=low, speedup_high=high,
+                        row_k=res.stats.row_k, tokens=res.tokens))
+    return out
+
+
+@torch.inference_mode()
+def k0_overhead(model, prompts: list[list[int]], make_drafter, make_policy, *, max_new_tokens: int,
+                repeats: int = 3, eos_token_ids=None) -> dict:
+    """What a speculative run whose policy chooses k = 0 at every step costs over `engine.generate`.
+
+    make_policy(batch) -> a policy that decides every step (its decision time is inside the step clock)
+    and chooses k = 0 (e.g. a RowBudgetPolicy on a step-time model where speculation never pays); the
+    drafter keeps its state. Both decode the same prompts, greedy, `repeats` interleaved rounds (order
+    alternating); each keeps its fastest decode (background load only adds time). The prefill is timed
+    apart on both sides. -> {overhead: k0 decode_s / plain decode_s - 1, plain_s, k0_s, repeats, steps,
+    nonzero_k_steps (must be 0), same_tokens}.
+    """
+    from decodelab.core import engine
+
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an int >= 1")
+    tr = as_transformer(model)
+    pre = prefill(model, prompts, max_new_tokens=max_new_tokens)
+    plain_best = spec_best = None
+    for rnd in range(repeats):
+        for which in ((0, 1) if rnd % 2 == 0 else (1, 0)):
+            if which == 0:
+                cache, logits = engine.prefill(tr, prompts, max_new_tokens=max_new_tokens)
+                res = engine.generate(model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                                      prefilled=(cache, logits))
+                if plain_best is None or res.stats.decode_s < plain_best.stats.decode_s:
+                    plain_best = res
+            else:
+                res = generate(model, drafter=make_drafter(), k=make_policy(len(prompts)), prefilled=pre,
+                               max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+                if spec_best is None or res.stats.decode_s < spec_best.stats.decode_s:
+                    spec_best = res
+    plain_s, k0_s = plain_best.stats.decode_s, spec_best.stats.decode_s
+    return {"batch": len(prompts), "overhead": k0_s / plain_s - 1.0, "plain_s": plain_s, "k0_s": k0_s,
+            "repeats": repeats, "steps": len(spec_best.stats.step_k),
+            "nonzero_k_steps": sum(k > 0 for k in spec_best.stats.step_k),
+            "same_tokens": spec_best.tokens == plain_best.tokens}
 
 
 def greedy_match(model, prompts: list[list[int]], drafters: dict, *, ks=(1, 4), max_new_tokens: int = 16) -> dict:
@@ -177,6 +223,9 @@ GOAL_TARGETS = {
     "adaptive_vs_plain_at_largest_batch": (">=", 0.97),
     "adaptive_fraction_of_best_fixed_k_b1": (">=", 0.8),
     "roofline_heldout_error": ("<=", 0.15),
+    "adaptive_vs_plain_every_batch": (">=", 0.98),  # judged on the worst batch's lower CI bound
+    "adaptive_fraction_of_best_fixed_k_every_batch": (">=", 0.95),
+    "k0_overhead": ("<=", 0.01),
 }
 
 
@@ -200,7 +249,7 @@ def hf_ratio(hf_rows: list[dict], num=("ours", "ngram"), den=("hf", "ngram")) ->
 
 def speculation_goals(rows: list[dict], *, drafters, grid_category: str, hf_rows: list[dict] = (),
                       heldout_error: float | None = None, insample_error: float | None = None,
-                      n_heldout: int = 0) -> list:
+                      n_heldout: int = 0, k0: dict | None = None) -> list:
     """Notebook 01's goals as `decodelab.common.goals.Goal` rows from the sweep rows (run_methods' rows), the
     transformers side by side and the roofline's held-out error. A goal the run could not measure
     (no batch 1, not code editing, transformers off, adaptive off, no held-out cell) has value None."""
@@ -233,11 +282,38 @@ def speculation_goals(rows: list[dict], *, drafters, grid_category: str, hf_rows
                         adaptive / best if low == 1 and best and adaptive is not None else None, unit="%",
                         label=f"adaptive policy ({d}) as a fraction of the best fixed k at batch 1",
                         note=why or ("" if low == 1 else f"the sweep has no batch 1 (smallest: {low})")))
+    out += never_loses_goals(rows, drafters=drafters, goal=goal)
+    out.append(goal("k0_overhead", None if k0 is None else k0["overhead"], unit="%",
+                    label="all-k=0 speculative decode time over engine.generate's (same prompts)",
+                    note="the k=0 benchmark did not run" if k0 is None
+                    else f"batch {k0['batch']}, fastest of {k0['repeats']} interleaved rounds each"))
     insample = "n/a" if insample_error is None else f"{insample_error:.0%}"
     out.append(goal("roofline_heldout_error", heldout_error, unit="%",
                     label="roofline median relative error on held-out cells",
                     note=f"{n_heldout} held-out cells; in-sample error {insample} (a metric, not a goal)"
                     + ("" if heldout_error is not None else "; no held-out cell could be predicted")))
+    return out
+
+
+def never_loses_goals(rows: list[dict], *, drafters, goal) -> list:
+    """Per drafter: the adaptive policy's worst lower CI bound over the swept batches (vs plain) and its
+    worst fraction of the best fixed k (point estimates) over the batches that have a fixed-k cell."""
+    out = []
+    for d in drafters:
+        cells = sorted((r for r in rows if r["drafter"] == d and r["k"] == "adaptive"), key=lambda r: r["batch"])
+        bounded = [r for r in cells if r.get("speedup_low") is not None]
+        worst = min(bounded, key=lambda r: r["speedup_low"]) if bounded else None
+        out.append(goal(f"adaptive_vs_plain_every_batch:{d}", None if worst is None else worst["speedup_low"],
+                        unit="x", label=f"adaptive policy ({d}) vs plain, lower 95% bound at its worst batch",
+                        note="the adaptive policy did not run" if worst is None
+                        else f"worst batch {worst['batch']} of {[r['batch'] for r in cells]}"))
+        fractions = [(r["speedup"] / b, r["batch"]) for r in cells
+                     if (b := best_speedup(rows, d, r["batch"])) is not None and b > 0]
+        low = min(fractions) if fractions else None
+        out.append(goal(f"adaptive_fraction_of_best_fixed_k_every_batch:{d}", None if low is None else low[0],
+                        unit="%", label=f"adaptive policy ({d}) as a fraction of the best fixed k, worst batch",
+                        note="no batch with both adaptive and fixed-k cells" if low is None
+                        else f"worst batch {low[1]}"))
     return out
 
 

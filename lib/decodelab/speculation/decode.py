@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from decodelab.core import engine
-from decodelab.core.engine import DecodeStats, Feed, PolicyBase, TokenLoop, as_transformer, synchronize
-from decodelab.speculation.drafters import DraftContext, Drafter
+from decodelab.core.engine import DecodeStats, as_transformer, synchronize
+from decodelab.speculation.drafters import Drafter
 from decodelab.speculation.policy import K_CHOICES
-from decodelab.speculation.verify import greedy_verify, rejection_verify, verify_uniforms
+from decodelab.speculation.spec_step import SpeculativePolicy, verify  # noqa: F401  (verify: public here too)
 
 
 @dataclass
@@ -81,6 +81,8 @@ class SpecStats(DecodeStats):
     emitted: int = 0  # tokens those row-steps produced before truncation: sum of n_accepted + 1
     reached: list[int] = field(default_factory=lambda: [0] * max(K_CHOICES))  # drafts at position i judged
     accepted: list[int] = field(default_factory=lambda: [0] * max(K_CHOICES))  # ... and accepted
+    step_tokens: list[int] = field(default_factory=list)  # tokens each step added to the output (EOS-cut)
+    row_k: list[list[int]] = field(default_factory=list)  # per-row policies: drafts row b verified per step, -1 done
 
     @property
     def tau(self) -> float:
@@ -116,175 +118,9 @@ class SpecResult:
     finished: list[bool]
 
 
-def _trim(proposal, active: torch.Tensor):
-    """Drop draft positions that no active row fills (DraftProposal.lengths): a step where no row has a
-    real draft becomes a plain decode step instead of verifying padding. -> a DraftProposal, maybe k = 0."""
-    if proposal.lengths is None:
-        return proposal
-    lengths = proposal.lengths.to(active.device)[active]
-    width = int(lengths.max()) if lengths.numel() else 0
-    if width >= proposal.k:
-        return proposal
-    probs = None if proposal.probs is None else proposal.probs[:, :width]
-    return type(proposal)(tokens=proposal.tokens[:, :width], probs=probs,
-                          lengths=proposal.lengths.clamp(max=width))
-
-
-def _pack_hidden(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[(hidden (B, T_i, D), lengths (B,))] -> left-aligned (B, sum of lengths max, D) and total lengths (B,)."""
-    B, D = chunks[0][0].shape[0], chunks[0][0].shape[2]
-    device = chunks[0][0].device
-    total = sum(lengths for _, lengths in chunks)
-    out = torch.zeros(B, max(int(total.max()), 1), D, dtype=chunks[0][0].dtype, device=device)
-    offset = torch.zeros(B, dtype=torch.long, device=device)
-    rows = torch.arange(B, device=device)[:, None]
-    for hidden, lengths in chunks:
-        idx = torch.arange(hidden.shape[1], device=device)[None].expand(B, -1)
-        valid = idx < lengths[:, None]
-        out[rows.expand_as(idx)[valid], (offset[:, None] + idx)[valid]] = hidden[valid]
-        offset = offset + lengths
-    return out, total
-
-
 def _check_k(k) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"k={k!r} must be an int >= 0 (0 = plain decoding) or an AdaptivePolicy")
-
-
-def verify(logits: torch.Tensor, proposal, sampler, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target logits (B, k+1, V) + DraftProposal -> (n_accepted (B,), next (B,)): greedy without a
-    sampler (or when every row is temperature 0), else exact rejection sampling on sampler.probs."""
-    if sampler is None or sampler.is_greedy:
-        return greedy_verify(proposal.tokens.to(logits.device), logits, proposal.lengths)
-    from decodelab.core.sampling import sample_inverse_cdf
-
-    p = torch.stack([sampler.probs(logits[:, i]) for i in range(logits.shape[1])], dim=1)
-    B, k = proposal.tokens.shape
-    u = verify_uniforms(generator, proposal.lengths, k, B, device=logits.device, dtype=p.dtype)
-    n, nxt = rejection_verify(proposal.tokens, proposal.probs, p, lengths=proposal.lengths, uniforms=u)
-    if proposal.lengths is not None:
-        # a row without a real draft samples p_0 either way; take a plain step's draw (its one uniform
-        # through the sampler's own rank-ordered inverse CDF), so its stream does not depend on whether
-        # the other rows made this a verify step
-        empty = proposal.lengths.to(logits.device) == 0
-        if bool(empty.any()):
-            nxt = torch.where(empty, sample_inverse_cdf(sampler.process(logits[:, 0]), u[:, k]), nxt)
-    return n, nxt
-
-
-class SpeculativePolicy(PolicyBase):
-    """The speculative step as a `LoopPolicy` of the engine's token loop.
-
-    feed: choose k (fixed or the adaptive policy), draft, and feed [pending, d_1..d_k] per row (or the
-    pending token alone: a plain step). accept: verify, keep pending + n_b drafts of row b in the cache
-    (`truncate`), emit d_1..d_{n_b} + next. end_step: park finished rows at their prompt (their scratch
-    writes then always fit) and let the adaptive policy learn from the step's measured seconds.
-    """
-
-    def __init__(self, drafter, k, policy, prefilled: Prefilled, stats: SpecStats, sampler, generator):
-        self.drafter, self.k, self.policy = drafter, k, policy
-        self.prefilled, self.stats = prefilled, stats
-        self.sampler, self.generator = sampler, generator
-        self.needs_hidden = bool(getattr(drafter, "needs_hidden", False))
-        self.draft_sampler = None if sampler is None or sampler.is_greedy else sampler
-
-    def first(self, loop: TokenLoop, logits: torch.Tensor) -> dict[int, list[int]]:
-        self.pending = engine.pick_tokens(logits, self.sampler, self.generator)  # (B,)
-        self.last_hidden = self.prefilled.last_hidden
-        self.unseen_hidden = [(self.prefilled.prompt_hidden, self.prefilled.prompt_lengths)]
-        if self.drafter is not None:
-            self.drafter.begin(loop.prompts, max_len=loop.cache.max_len)
-        if self.policy is not None:
-            self.policy.begin(loop.batch)
-        self.rows = torch.arange(loop.batch, device=loop.device)
-        self.step_k, self.proposal = None, None
-        return {b: [t] for b, t in enumerate(self.pending.tolist())}
-
-    def feed(self, loop: TokenLoop) -> Feed:
-        # one clock per step, top to bottom: the policy's decision and update are charged like drafting
-        stats, cache, device = self.stats, loop.cache, loop.device
-        self.start = time.perf_counter()
-        self.active = torch.tensor([not d for d in loop.done], device=device)
-        n_active = loop.batch - sum(loop.done)
-        self.context = cache.lengths.float().mean().item() if self.policy is not None else 0.0
-        step_k = self.policy.choose_k(n_active, context=self.context) if self.policy is not None else self.k
-        self.t_policy = time.perf_counter()
-        if step_k > len(stats.reached):  # deeper drafts than K_CHOICES: grow the per-position counters
-            grow = step_k - len(stats.reached)
-            stats.reached += [0] * grow
-            stats.accepted += [0] * grow
-        self.old = cache.lengths.clone()
-        proposal = None
-        if step_k > 0 and self.drafter is not None:
-            ctx = DraftContext(tokens=loop.sequences, last_hidden=self.last_hidden if self.needs_hidden else None,
-                               active=self.active, sampler=self.draft_sampler, generator=self.generator)
-            if self.needs_hidden:
-                ctx.new_hidden, ctx.new_hidden_lengths = _pack_hidden(self.unseen_hidden)
-                self.unseen_hidden = []
-            proposal = _trim(self.drafter.propose(ctx, step_k), self.active)
-            step_k = proposal.k  # rows without real drafts everywhere: verify fewer (or zero) positions
-        synchronize(device)
-        self.t_draft = time.perf_counter()
-        self.proposal = proposal
-        if step_k == 0 or proposal is None:
-            self.step_k = 0
-            return Feed(self.pending[:, None], mode="step", return_hidden=self.needs_hidden)
-        self.step_k = step_k
-        inputs = torch.cat([self.pending[:, None], proposal.tokens.to(device)], dim=1)  # (B, k+1)
-        return Feed(inputs, mode="all", return_hidden=self.needs_hidden)
-
-    def accept(self, loop: TokenLoop, logits: torch.Tensor, hidden) -> dict[int, list[int]]:
-        stats, proposal, active, B = self.stats, self.proposal, self.active, loop.batch
-        if self.step_k == 0:
-            n = torch.zeros(B, dtype=torch.long, device=loop.device)
-            nxt = engine.pick_tokens(logits, self.sampler, self.generator)
-            drafts_list = None
-        else:
-            n, nxt = verify(logits, proposal, self.sampler, self.generator)
-            drafts_list = proposal.tokens.tolist()
-        # ragged advance: row b keeps pending + n_b drafts; finished rows stay where they were
-        loop.cache.truncate(torch.where(active, self.old + 1 + n, self.old))
-        if proposal is not None:  # (a proposal trimmed to k = 0 still drafted: roll it back to nothing)
-            self.drafter.rollback(torch.where(active, n, torch.zeros_like(n)))
-        if self.needs_hidden:
-            self.last_hidden = torch.where(active[:, None], hidden[self.rows, n], self.last_hidden)
-            self.unseen_hidden.append((hidden, torch.where(active, n + 1, torch.zeros_like(n))))
-        n_list, next_list = n.tolist(), nxt.tolist()  # host sync
-        self.t_verify = time.perf_counter()
-        step_k = self.step_k
-        has_lengths = step_k > 0 and proposal.lengths is not None
-        self.lengths = proposal.lengths.tolist() if has_lengths else [step_k] * B
-        self.n = n
-        emitted = {}
-        for b in loop.alive:
-            nb = n_list[b]
-            stats.row_steps += 1
-            stats.emitted += nb + 1
-            for i in range(min(nb + 1, self.lengths[b], step_k)):
-                stats.reached[i] += 1
-                stats.accepted[i] += int(i < nb)
-            emitted[b] = (drafts_list[b][:nb] if drafts_list is not None else []) + [next_list[b]]
-        return emitted
-
-    def end_step(self, loop: TokenLoop) -> None:
-        if self.step_k is None:  # after the prefill: nothing was drafted yet
-            return
-        cache = loop.cache
-        if any(loop.done):  # park finished rows at their prompt: their scratch writes then always fit
-            parked = torch.tensor(loop.done, device=loop.device)
-            cache.truncate(torch.where(parked, self.prefilled.prompt_lengths, cache.lengths))
-        policy_s = self.t_policy - self.start
-        if self.policy is not None:
-            t_update = time.perf_counter()
-            # the policy learns from the draft and verify seconds (its model predicts those), not its own
-            self.policy.update(self.step_k, self.n, self.active, self.t_verify - self.t_policy,
-                               self.t_draft - self.t_policy, lengths=self.lengths, context=self.context)
-            policy_s += time.perf_counter() - t_update
-        self.pending = torch.tensor([s[-1] for s in loop.sequences], device=loop.device)
-        self.stats.step_k.append(self.step_k)
-        self.stats.draft_s.append(self.t_draft - self.t_policy)
-        self.stats.verify_s.append(self.t_verify - self.t_draft)
-        self.stats.policy_s.append(policy_s)
 
 
 @torch.inference_mode()
@@ -296,7 +132,8 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
     accepted prefix (+ correction or bonus token) per row, truncate the rest of the KV cache.
 
     model: LoadedModel or Transformer (the target). drafter: any `Drafter` (None -> plain decoding).
-    k: int >= 0 drafts per step (0 = plain decode steps), or an `AdaptivePolicy` choosing k per step.
+    k: int >= 0 drafts per step (0 = plain decode steps), an `AdaptivePolicy` choosing k per step, or a
+    `RowBudgetPolicy` choosing k per row under a batch verify budget.
     sampler: None (greedy) or a `decodelab.core.sampling.Sampler`; generator: a torch.Generator, or a list of one
     per row as `engine.generate` takes (row b then draws every number it uses from generator[b]: its plain
     steps draw exactly what engine.generate's would, and with a fixed k its stream does not depend on the
@@ -315,6 +152,8 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
         raise ValueError(f"drafter={drafter!r} does not implement decodelab.speculation.drafters.Drafter "
                          "(name, needs_hidden, begin, propose, rollback)")
     engine.validate_generation_args(prompts, max_new_tokens)
+    if hasattr(policy, "check_batch"):  # e.g. a verify budget below the batch: fail before the prefill
+        policy.check_batch(len(prompts) if prompts is not None else len(prefilled.prompts))
     tr = as_transformer(model)
     k_max = max(policy.ks) if policy is not None else k
     if prefilled is None:

@@ -19,11 +19,12 @@ def default_draft_layers(n_layers: int) -> int:
     return max(1, n_layers // 3)
 
 
-def draft_model_for(target, *, name: str | None = None, n_layers: int | None = None) -> LoadedModel:
+def draft_model_for(target, *, name: str | None = None, n_layers: int | None = None, dtype=None) -> LoadedModel:
     """The draft model of the "draft_model" drafter: `name` (a hub id or path sharing the target's tokenizer)
-    loaded on the target's device, else the target's first `n_layers` layers (None: `default_draft_layers`)."""
+    loaded on the target's device in `dtype` (None: the device's default), else the target's first
+    `n_layers` layers (None: `default_draft_layers`), which share the target's weights and so its dtype."""
     if name:
-        return load_model(name, device=target.device)
+        return load_model(name, device=target.device, dtype=dtype)
     return truncated_model(target, n_layers or default_draft_layers(target.transformer.n_layers))
 
 

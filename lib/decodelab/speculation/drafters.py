@@ -112,6 +112,8 @@ class Drafter(Protocol):
 
     name          short label used in tables and plots ("ngram", "layer_skip", "draft_model", "mtp").
     needs_hidden  True when `propose` reads `ctx.last_hidden` (the loop then asks the target for it).
+    cheap         optional, default False: `propose` costs ~nothing (a lookup), so a per-row policy may
+                  ask for the deepest drafts before it decides, to see which rows have real ones.
     """
 
     name: str
@@ -170,6 +172,7 @@ class NGramDrafter(DrafterBase):
     """
 
     name = "ngram"
+    cheap = True  # a proposal is a dict lookup per row: a per-row policy may ask before it decides
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, match: str = "latest"):
         if not 1 <= min_ngram <= max_ngram:
@@ -215,18 +218,14 @@ class NGramDrafter(DrafterBase):
         return []
 
     def _propose(self, ctx: DraftContext, k: int) -> DraftProposal:
-        B = ctx.batch_size
-        tokens = torch.zeros(B, k, dtype=torch.long)
-        lengths = torch.zeros(B, dtype=torch.long)
-        for b, seq in enumerate(ctx.tokens):
-            if ctx.active is not None and not bool(ctx.active[b]):
-                continue
-            found = self.lookup(b, seq, k)
-            if found:
-                tokens[b, : len(found)] = torch.tensor(found)
-                lengths[b] = len(found)
-            tokens[b, len(found):] = seq[-1]  # padding, always rejected
-        return DraftProposal(tokens=tokens, probs=None, lengths=lengths)
+        active = [True] * ctx.batch_size if ctx.active is None else ctx.active.tolist()
+        rows, lengths = [], []
+        for b, seq in enumerate(ctx.tokens):  # one tensor built at the end: a step costs O(B) dict lookups
+            found = self.lookup(b, seq, k) if active[b] else []
+            rows.append(found + [seq[-1]] * (k - len(found)))  # padding, always rejected
+            lengths.append(len(found))
+        return DraftProposal(tokens=torch.tensor(rows, dtype=torch.long), probs=None,
+                             lengths=torch.tensor(lengths, dtype=torch.long))
 
 
 class CachedModelDrafter(DrafterBase):
@@ -234,11 +233,13 @@ class CachedModelDrafter(DrafterBase):
 
     The draft cache holds every token of ctx.tokens except, between steps, the not-yet-seen ones:
     `propose` first feeds each row's unseen suffix (ragged: the pending token, plus the last draft when
-    all k were accepted), then drafts k tokens one at a time; `rollback` truncates the drafts that
-    the target rejected. Cost per step: one catch-up forward + (k - 1) single-token forwards.
+    all k were accepted, or everything since the last proposal after plain steps) in ONE batched forward,
+    then drafts k tokens one at a time; `rollback` truncates the drafts that the target rejected. Steps
+    where the policy chose k = 0 cost the draft nothing: it catches up lazily when drafting resumes.
+    Cost per drafting step: one catch-up forward + (k - 1) single-token forwards.
     """
 
-    CATCHUP = 16  # longest unseen suffix fed in one forward (after plain steps of the adaptive policy)
+    CATCHUP = 16  # spare cache positions beyond max_len: scratch room of the ragged catch-up forward
 
     def __init__(self, transformer, *, layers=None, target_vocab_size: int | None = None, name: str = "draft_model"):
         self.tr = transformer
@@ -278,20 +279,20 @@ class CachedModelDrafter(DrafterBase):
         lengths = self.cache.lengths.tolist()
         unseen = [seq[n:] for seq, n in zip(ctx.tokens, lengths)]
         logits = None
-        while True:  # catch up on tokens the draft has not seen, at most CATCHUP per forward
-            chunk = [u[: self.CATCHUP] for u in unseen]
+        while any(unseen):
+            # catch up on every unseen token, all rows in one ragged forward; each row writes scratch up to
+            # the widest row's length, so the width is capped by the room left (more forwards only then)
+            room = max(self.cache.max_len - max(self.cache.lengths.tolist()), 1)
+            chunk = [u[:room] for u in unseen]
             n_new = torch.tensor([len(c) for c in chunk], dtype=torch.long, device=device)
-            T = max(int(n_new.max()), 1)
-            tokens = torch.zeros(len(chunk), T, dtype=torch.long)
+            tokens = torch.zeros(len(chunk), int(n_new.max()), dtype=torch.long)
             for b, c in enumerate(chunk):
                 if c:
                     tokens[b, : len(c)] = torch.tensor(c)
             step_logits = self._logits(tokens.to(device), n_new)
             # rows that fed nothing keep the logits of an earlier chunk (only finished rows feed nothing)
             logits = step_logits if logits is None else torch.where((n_new > 0)[:, None], step_logits, logits)
-            unseen = [u[self.CATCHUP:] for u in unseen]
-            if not any(unseen):
-                break
+            unseen = [u[room:] for u in unseen]
         self._base = self.cache.lengths.clone()
         drafts, probs = [], []
         for i in range(k):

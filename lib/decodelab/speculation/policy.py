@@ -71,8 +71,12 @@ class AdaptivePolicy:
             return 1.0
         return self.time_ratio[min(self.time_ratio, key=lambda j: (abs(j - k), j))]
 
+    def model_seconds_for(self, k: int, context: float) -> float:
+        """The step-time model's seconds for verifying k drafts per row (a step of width k + 1)."""
+        return float(self.step_time(self.batch_size, k + 1, context))
+
     def verify_seconds(self, k: int, context: float) -> float:
-        return self.ratio(k) * float(self.step_time(self.batch_size, k + 1, context))
+        return self.ratio(k) * self.model_seconds_for(k, context)
 
     def goodput(self, k: int, context: float) -> float:
         seconds = self.verify_seconds(k, context) + k * self.draft_s_per_token
@@ -94,22 +98,27 @@ class AdaptivePolicy:
         self.history.append(k)
         return k
 
+    def learn_time(self, k: int, verify_s: float, context: float) -> None:
+        """Move r_k (observed / predicted verify seconds of a step of width k + 1) towards this step's."""
+        predicted = self.model_seconds_for(k, context)
+        if predicted <= 0 or verify_s <= 0:
+            return
+        prev = self.time_ratio.get(k)
+        observed = verify_s / predicted
+        if prev is None:
+            self.time_ratio[k] = observed
+        else:
+            # one slow step (a burst of background load) moves the estimate by at most 2x
+            observed = min(max(observed, prev / 2), prev * 2)
+            self.time_ratio[k] = prev + self.time_ema * (observed - prev)
+
     def update(self, k: int, n_accepted, active, step_s: float, draft_s: float, lengths=None,
                context: float | None = None) -> None:
         """After a step that verified k drafts (0: a plain step) and took step_s seconds, draft_s of them
         drafting. With `context` (the mean cached length the step was predicted at) the step-time
         correction r_k learns from it too."""
         if context is not None:
-            predicted = float(self.step_time(self.batch_size, k + 1, context))
-            if predicted > 0 and step_s > draft_s:
-                prev = self.time_ratio.get(k)
-                # one slow step (a burst of background load) moves the estimate by at most 2x
-                observed = (step_s - draft_s) / predicted
-                if prev is None:
-                    self.time_ratio[k] = observed
-                else:
-                    observed = min(max(observed, prev / 2), prev * 2)
-                    self.time_ratio[k] = prev + self.time_ema * (observed - prev)
+            self.learn_time(k, step_s - draft_s, context)
         if k == 0:
             return
         n = n_accepted[active].tolist()

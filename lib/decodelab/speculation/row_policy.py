@@ -1,0 +1,171 @@
+"""Per-row draft lengths under one batch verify budget: each row's k from its own running acceptance, the
+step's width from the step-time model's marginal goodput (TETRIS, ACL 2025; SmartSpec's goodput).
+
+Row b's drafts are accepted one after another with probability a_b each (a geometric model), so its j-th
+draft yields a_b^j expected tokens. A step verifying per-row k_b costs T(B, w, S) with w = max_b k_b + 1
+(the engine pads every row to the widest: a row with k_b < w - 1 verifies padding that is rejected) plus
+w - 1 drafted tokens. For each candidate width the step spends its verify budget (total verified tokens,
+sum_b (k_b + 1) <= budget) on the (row, j) drafts with the largest a_b^j: that greedy choice is optimal
+because every row's gains fall with j. The width with the best goodput
+
+    goodput(w) = (n_active + sum of the chosen a_b^j) / (r_{w-1} T(B, w, S) + (w - 1) t_draft)
+
+wins if it beats plain decoding's n_active / (r_0 T(B, 1, S)) by more than `margin`; else every k_b = 0 and
+the step is a plain decode step. r_k corrects the model online from observed verify times (AdaptivePolicy).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from decodelab.speculation.policy import K_CHOICES, AdaptivePolicy
+
+PRIOR_ACCEPTANCE = 0.5  # a drafter's per-token acceptance before any evidence
+
+
+class RowBudgetPolicy(AdaptivePolicy):
+    """Choose k_b per row (0 allowed) and the step's width by marginal goodput under `verify_budget`.
+
+    verify_budget: most verified tokens per step (sum over active rows of k_b + 1), None = no limit; it
+    must be >= the batch (every row verifies its pending token). min_gain: a draft whose expected yield
+    a_b^j is below it is not verified (it would only spend budget). The pooled acceptance (all rows) is
+    the prior of every row's estimate; a row's own evidence decays by `decay` per step, so a row that
+    stopped drafting returns to the pooled estimate instead of being frozen at its last bad stretch.
+    """
+
+    def __init__(self, step_time, *, ks=K_CHOICES, verify_budget: int | None = None, min_gain: float = 0.05,
+                 draft_s_per_token: float = 0.0, decay: float = 0.9, prior_strength: float = 2.0,
+                 margin: float = 0.05, time_ema: float = 0.25):
+        if verify_budget is not None and (isinstance(verify_budget, bool) or not isinstance(verify_budget, int)
+                                          or verify_budget < 1):
+            raise ValueError(f"verify_budget={verify_budget!r} must be None (no limit) or an int >= the batch size")
+        if not 0 <= min_gain < 1:
+            raise ValueError(f"min_gain={min_gain!r} must be in [0, 1)")
+        self.verify_budget, self.min_gain = verify_budget, min_gain
+        super().__init__(step_time, ks=ks, draft_s_per_token=draft_s_per_token, decay=decay,
+                         prior_strength=prior_strength, probe_budget=0.0, margin=margin, time_ema=time_ema)
+
+    def check_batch(self, batch_size: int) -> None:
+        """Raise ValueError before any work when the budget cannot cover every row's pending token."""
+        if self.verify_budget is not None and self.verify_budget < batch_size:
+            raise ValueError(f"verify_budget={self.verify_budget} is below the batch size {batch_size}: every row "
+                             f"verifies at least its pending token; allowed: None or an int >= {batch_size}")
+
+    def begin(self, batch_size: int) -> None:
+        self.check_batch(batch_size)
+        super().begin(batch_size)
+        # numpy, not torch: these are a few dozen floats, and a decision must cost microseconds per step
+        self.row_reached = np.zeros(batch_size)
+        self.row_accepted = np.zeros(batch_size)
+        self.pool_reached, self.pool_accepted = 0.0, 0.0
+        self._j = np.arange(1, max(max(self.ks), 1) + 1, dtype=float)
+        self._widths = np.arange(1, max(max(self.ks), 1) + 2)
+        self._seconds_at: tuple[float, np.ndarray] | None = None
+
+    def model_seconds(self, context: float) -> np.ndarray:
+        """T(B, n, context) for n = 1 .. k_max + 1 in one vectorized call (reused within the step)."""
+        if self._seconds_at is None or self._seconds_at[0] != context:
+            try:  # a roofline takes the widths as one array
+                seconds = np.broadcast_to(np.asarray(self.step_time(self.batch_size, self._widths, context),
+                                                     dtype=float), self._widths.shape)
+            except (TypeError, ValueError):  # a model of scalars only: one call per width
+                seconds = np.array([float(self.step_time(self.batch_size, int(n), context)) for n in self._widths])
+            self._seconds_at = (context, seconds)
+        return self._seconds_at[1]
+
+    def model_seconds_for(self, k: int, context: float) -> float:
+        if k < len(self._widths):
+            return float(self.model_seconds(context)[k])
+        return super().model_seconds_for(k, context)
+
+    def pooled_acceptance(self) -> float:
+        s = self.prior_strength
+        return (self.pool_accepted + s * PRIOR_ACCEPTANCE) / (self.pool_reached + s)
+
+    def row_acceptance(self) -> np.ndarray:
+        """(B,) each row's per-token acceptance, shrunk towards the pooled estimate."""
+        s = self.prior_strength
+        return (self.row_accepted + s * self.pooled_acceptance()) / (self.row_reached + s)
+
+    def row_gains(self, active: np.ndarray, caps: np.ndarray | None) -> np.ndarray:
+        """(B, k_max) expected tokens of row b's j-th draft, a_b^j; 0 past caps[b] (real drafts), for
+        finished rows and below min_gain."""
+        a = np.clip(self.row_acceptance(), 0.0, 0.999)
+        gains = a[:, None] ** self._j[None]
+        usable = active[:, None] & (gains >= self.min_gain)
+        if caps is not None:
+            usable &= self._j[None] <= caps[:, None]
+        return np.where(usable, gains, 0.0)
+
+    def _could_pay(self, act: np.ndarray, n_active: int, plain_rate: float, context: float) -> bool:
+        """An upper bound first (every active row drafting at the best row's acceptance, within the budget):
+        when no width beats plain decoding even so, the step is plain without any per-row work."""
+        if n_active == 0:
+            return False
+        a = float(np.clip(self.row_acceptance()[act].max(), 0.0, 0.999))
+        k = self._j  # every width a step can take, not only the ks offered
+        tokens = np.minimum(n_active * (1 + a * (1 - a ** k) / (1 - a)),
+                            self.verify_budget if self.verify_budget is not None else np.inf)
+        ratios = np.array([self.ratio(int(j)) for j in k]) if self.time_ratio else 1.0
+        seconds = ratios * self.model_seconds(context)[1:] + k * self.draft_s_per_token
+        return bool((tokens / seconds).max() > (1 + self.margin) * plain_rate)
+
+    def choose_rows(self, active: torch.Tensor, *, context: float, caps: torch.Tensor | None = None) -> torch.Tensor:
+        """active (B,) bool, caps (B,) long or None (real drafts available per row) -> k_b (B,) long (CPU)."""
+        act = active.cpu().numpy()
+        n_active = int(act.sum())
+        best_rate = n_active / self.verify_seconds(0, context)
+        plain_rate, best = best_rate, np.zeros(len(act), dtype=np.int64)
+        if not self._could_pay(act, n_active, plain_rate, context):  # the common case at a compute-bound batch
+            self.history.append(0)
+            return torch.from_numpy(best)
+        gains = self.row_gains(act, None if caps is None else caps.cpu().numpy())
+        spare = (self.verify_budget - n_active) if self.verify_budget is not None else gains.size
+        for k in self.ks:
+            if k == 0:
+                continue
+            g = gains[:, :k].ravel()
+            usable = g > 0
+            n_usable = int(usable.sum())
+            if n_usable == 0 or spare <= 0:
+                continue
+            if n_usable > spare:  # the budget binds: keep the `spare` drafts of highest yield
+                chosen = np.zeros_like(usable)
+                chosen[np.argpartition(-g, spare - 1)[:spare]] = True
+            else:
+                chosen = usable
+            row_k = chosen.reshape(-1, k).sum(1)
+            width = int(row_k.max())
+            rate = (n_active + float(g[chosen].sum())) / (self.verify_seconds(width, context)
+                                                          + width * self.draft_s_per_token)
+            if rate > best_rate:
+                best_rate, best = rate, row_k
+        # speculate only when it clearly pays: a goodput within the margin is noise in the model
+        if best_rate <= (1 + self.margin) * plain_rate:
+            best = np.zeros_like(best)
+        self.history.append(int(best.max()))
+        return torch.from_numpy(best)
+
+    def update_rows(self, row_k: torch.Tensor, n_accepted: torch.Tensor, active: torch.Tensor, *, step_s: float,
+                    draft_s: float, context: float | None = None) -> None:
+        """After a step that verified row_k (B,) drafts per row (n_accepted (B,) kept) in step_s seconds."""
+        ks = row_k.cpu().numpy()
+        width = int(ks.max())
+        if context is not None:
+            self.learn_time(width, step_s - draft_s, context)
+        self.row_reached *= self.decay
+        self.row_accepted *= self.decay
+        if width == 0:
+            return
+        drafted = active.cpu().numpy() & (ks > 0)
+        n = n_accepted.cpu().numpy().astype(float)
+        # a row with k_b drafts reached min(n_b + 1, k_b) of them and accepted n_b
+        reached = np.where(drafted, np.minimum(n + 1, ks), 0.0)
+        accepted = np.where(drafted, n, 0.0)
+        self.row_reached += reached
+        self.row_accepted += accepted
+        self.pool_reached = self.pool_reached * self.decay + float(reached.sum())
+        self.pool_accepted = self.pool_accepted * self.decay + float(accepted.sum())
+        self._draft_seen += 1
+        per_token = draft_s / width
+        self.draft_s_per_token += (per_token - self.draft_s_per_token) / min(self._draft_seen, 10)

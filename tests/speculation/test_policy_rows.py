@@ -1,0 +1,117 @@
+"""Per-row draft lengths under a batch verify budget, the free k = 0 step, and the speedup interval."""
+import pytest
+import torch
+
+from decodelab.core import engine
+from decodelab.speculation import bench as speculative_bench
+from decodelab.speculation import decode as speculative
+from decodelab.speculation.drafters import DraftContext, ModelDrafter, NGramDrafter, truncated_model
+from decodelab.speculation.row_policy import RowBudgetPolicy
+from decodelab.speculation.speedup_stats import speedup_interval
+
+
+def _never_pays(b, n, s):
+    return n ** 3 * 1.0  # compute-bound beyond hope: no acceptance makes a draft pay
+
+
+def _prompts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 9, 12)]
+    return [p + p[: len(p) // 2] for p in prompts]
+
+
+def _learn(policy, accepted_per_row, k=4, steps=30):
+    B = len(accepted_per_row)
+    for _ in range(steps):
+        policy.update_rows(torch.full((B,), k), torch.tensor(accepted_per_row), torch.ones(B, dtype=torch.bool),
+                           step_s=1.0, draft_s=0.0)
+
+
+def test_the_verify_budget_goes_to_the_rows_that_accept_most():
+    policy = RowBudgetPolicy(lambda b, n, s: 1.0, verify_budget=4 + 6)
+    policy.begin(4)
+    _learn(policy, [4, 0, 3, 1])  # rows 0 and 2 accept nearly everything, row 1 nothing
+    row_k = policy.choose_rows(torch.ones(4, dtype=torch.bool), context=10.0)
+    assert int(row_k.sum()) <= 6  # the budget: 4 pending tokens + 6 drafts
+    assert row_k[1] == 0 and row_k[0] >= row_k[3] and row_k[2] >= row_k[3] and row_k[0] > 0
+    # a finished row gets nothing; caps (real drafts per row) bound each row
+    active = torch.tensor([False, True, True, True])
+    row_k = policy.choose_rows(active, context=10.0, caps=torch.tensor([8, 8, 1, 8]))
+    assert row_k[0] == 0 and row_k[2] <= 1
+
+
+def test_no_row_drafts_where_verification_cannot_pay():
+    policy = RowBudgetPolicy(_never_pays)
+    policy.begin(3)
+    _learn(policy, [4, 4, 4])  # perfect acceptance, still compute-bound
+    assert policy.choose_rows(torch.ones(3, dtype=torch.bool), context=10.0).tolist() == [0, 0, 0]
+
+
+def test_a_verify_budget_below_the_batch_is_a_clear_error_before_any_work(tiny):
+    with pytest.raises(ValueError, match=r"verify_budget=2 is below the batch size 4.*>= 4"):
+        speculative.generate(tiny, _prompts(), NGramDrafter(), k=RowBudgetPolicy(lambda b, n, s: 1.0, verify_budget=2),
+                             max_new_tokens=4)
+    with pytest.raises(ValueError, match="verify_budget=0"):
+        RowBudgetPolicy(lambda b, n, s: 1.0, verify_budget=0)
+
+
+def test_an_all_k0_step_is_the_engines_plain_decode_step(tiny, monkeypatch):
+    feeds = {"plain": [], "spec": []}
+    forward = engine.TokenLoop.forward
+    which = "plain"
+
+    def spy(self, feed):
+        feeds[which].append((feed.mode, tuple(feed.tokens.shape)))
+        return forward(self, feed)
+
+    monkeypatch.setattr(engine.TokenLoop, "forward", spy)
+    prompts = _prompts()
+    ref = engine.generate(tiny, prompts, max_new_tokens=12, eos_token_ids=[])
+    which = "spec"
+    out = speculative.generate(tiny, prompts, NGramDrafter(), k=RowBudgetPolicy(_never_pays), max_new_tokens=12,
+                               eos_token_ids=[])
+    assert out.tokens == ref.tokens
+    assert feeds["spec"] == feeds["plain"] and all(f == ("step", (4, 1)) for f in feeds["spec"])
+    assert set(out.stats.step_k) == {0} and len(out.stats.policy_s) == len(out.stats.step_s)
+
+
+def test_a_draft_model_catches_up_after_plain_steps_in_one_forward(tiny, monkeypatch):
+    from decodelab.speculation import drafters
+
+    calls = []
+    real = drafters.extend
+    monkeypatch.setattr(drafters, "extend", lambda *a, **kw: calls.append(a[2].shape) or real(*a, **kw))
+    prompts = _prompts()
+    d = ModelDrafter(truncated_model(tiny, 2), tiny)
+    d.begin(prompts, max_len=64)
+    calls.clear()
+    grown = [p + list(range(3, 3 + n)) for p, n in zip(prompts, (1, 9, 4, 12))]  # ragged unseen suffixes
+    d.propose(DraftContext(tokens=grown), 3)
+    assert calls[0] == (4, 12) and len(calls) == 3  # one catch-up forward, then k - 1 single-token forwards
+    assert d._base.tolist() == [len(g) for g in grown]
+
+
+def test_the_k0_benchmark_runs_plain_steps_only_and_keeps_the_tokens(tiny):
+    res = speculative_bench.k0_overhead(tiny, _prompts(), NGramDrafter, lambda b: RowBudgetPolicy(_never_pays),
+                                        max_new_tokens=6, repeats=2, eos_token_ids=[])
+    assert res["nonzero_k_steps"] == 0 and res["same_tokens"] is True and res["steps"] == 5
+    assert res["overhead"] == pytest.approx(res["k0_s"] / res["plain_s"] - 1)
+
+
+def test_the_speedup_interval_brackets_the_ratio_and_narrows_with_steady_steps():
+    plain = [([4] * 20, [1.0] * 20)] * 3
+    same = speedup_interval(plain, plain)
+    assert same == pytest.approx((1.0, 1.0))
+    noisy = [([4] * 20, [0.5 + (i % 3) * 0.25 for i in range(20)])] * 3  # mean 0.75 s: ~1.33x
+    low, high = speedup_interval(plain, noisy)
+    assert low < 4 * 20 / 15 / 4 < high and low > 1.0
+    with pytest.raises(ValueError, match="one plain run per method run"):
+        speedup_interval(plain, noisy[:2])
+
+
+def test_interleaved_runs_report_a_speedup_interval_around_the_fastest_round(tiny):
+    rows = speculative_bench.run_methods(tiny, _prompts()[:2], [("ngram", NGramDrafter, 2)], max_new_tokens=8,
+                                         eos_token_ids=[], repeats=2)
+    for r in rows:
+        assert r["speedup_low"] <= r["speedup_high"]
+    assert rows[0]["speedup_low"] <= 1.0 <= rows[0]["speedup_high"]
