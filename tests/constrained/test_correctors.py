@@ -1,4 +1,6 @@
 """Correctors converge to p(x | L); masked sampling converges to its own q, not to p(x | L)."""
+import math
+
 import pytest
 
 from decodelab.constrained import correctors as K
@@ -81,3 +83,35 @@ def test_unknown_corrector_error_lists_allowed(scored):
     trie, exact = scored
     with pytest.raises(ValueError, match="allowed"):
         K.run_corrector(trie, "beam", exact.target, [10])
+
+
+def hand_trie_with_forbidden():
+    """The correctors' hand trie with the forbidden mass laid out: two named tokens and a lump."""
+    trie = hand_trie()
+    trie.off_logp = []
+    for node in range(len(trie)):
+        kept = sum(math.exp(v) for v in trie.child_logp[node].values())
+        if trie.complete[node] is not None:
+            kept += math.exp(trie.eos_logp[node])
+        off = 1.0 - kept
+        trie.off_logp.append([math.log(off * 0.6), math.log(off * 0.3)] if off > 0 else [])
+    return trie
+
+
+def test_awrs_smc_converges_to_target_and_awrs_to_masked_on_hand_example():
+    trie = hand_trie_with_forbidden()
+    exact = D.exact_distributions(trie, {"a": [3], "ab": [5]})
+    smc = K.run_corrector(trie, "awrs_smc", exact.target, [20_000], seed=0)[-1]
+    assert smc["tv"] < 0.02
+    assert smc["checks"] > smc["forward_passes"] and smc["masks"] == 0
+    per_step = K.run_corrector(trie, "awrs", exact.masked, [20_000], seed=0)[-1]
+    assert per_step["tv"] < 0.02  # masking's q, not p(. | L)
+    assert D.tv(exact.target, exact.masked) > 2 * 0.02  # so the two checks above are different claims
+
+
+def test_awrs_per_step_converges_to_masked_distribution_on_a_scored_trie(scored):
+    trie, exact = scored
+    assert trie.off_logp is not None and all(len(v) == D.OFF_TOKENS for v in trie.off_logp)
+    row = K.run_corrector(trie, "awrs", exact.masked, [20_000], seed=1)[-1]
+    assert row["tv"] < 0.03
+    assert 0 < row["checks"] / row["forward_passes"] < 49152 / 100  # far fewer checks than a vocabulary scan

@@ -43,3 +43,22 @@ def test_goal_rows_cover_every_stated_goal_on_smoke(metrics, params):
         assert g.met is None if g.value is None else g.met in (True, False), g
     validity = [g for g in rows if g.name.startswith("masked_validity_")]
     assert all(g.met is True for g in validity), validity
+
+
+def test_free_then_constrained_answers_all_validate_on_smoke(metrics, params):
+    assert metrics["crane_validity"]["crane"] == 1.0, metrics["crane_validity"]
+    assert metrics["crane_validity"]["constrained"] == 1.0, metrics["crane_validity"]
+    assert set(metrics["crane_accuracy"]) == {"free", "constrained", "crane"}
+    assert metrics["crane_tokens"]["constrained"] < metrics["crane_tokens"]["crane"]  # reasoning costs tokens
+    names = {g["name"] for g in metrics["goals"]}
+    assert {"crane_validity", "crane_vs_constrained_accuracy", "crane_vs_free_accuracy"} <= names, names
+
+
+def test_awrs_rows_are_timed_and_check_far_fewer_tokens_than_a_mask_on_smoke(metrics, params):
+    ops = metrics["corrector_ops_s"]
+    assert set(ops) == {"forward", "softmax", "draw", "mask", "check"} and all(v > 0 for v in ops.values()), ops
+    per_token = metrics["checks_per_token"]
+    assert 1 <= per_token["awrs"] < 1000 and per_token["awrs_smc"] > per_token["awrs"], per_token  # + weight draws
+    assert per_token["masked"] == 0 and per_token["rejection"] == 1, per_token
+    names = {g["name"] for g in metrics["goals"]}
+    assert {"awrs_smc_kl_at_masking_cost", "awrs_checks_per_token"} <= names, names

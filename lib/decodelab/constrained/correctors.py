@@ -12,6 +12,8 @@ prefixes (the grammar checks prefixes), so rejection is charged for the tokens i
 - "smc": K particles propose with the mask, weight w *= Z(prefix) per step (p(x) 1[x in L] / q(x) =
   prod Z), resample when the effective sample size falls below ess_threshold * K (Lew et al. 2023;
   Loula et al. 2025). ess_threshold = 0 gives plain importance sampling.
+- "awrs" / "awrs_smc": adaptive weighted rejection sampling (Lipkin et al. 2025), per step and as SMC
+  proposals with unbiased weights; see `constrained.awrs` and `constrained.awrs_trie`.
 - "asap": Adaptive Sampling with Approximate expected futures (Park et al. 2024): sample with
   q_k(t | w) ~ p(t | w) EFG_k(w t), where EFG_k(w) approximates p(L | w) from the prefixes seen so far
   (unseen prefixes: 1), and tighten EFG along each sampled path. q_k -> p(. | L) as the trie fills in.
@@ -25,7 +27,10 @@ import numpy as np
 
 from decodelab.constrained.distortion import TokenTrie, kl, tv
 
-CORRECTORS = ("masked", "rejection", "smc", "importance", "asap")
+CORRECTORS = ("masked", "rejection", "smc", "importance", "asap", "awrs", "awrs_smc")
+# what each method asks of the grammar per sampled token: a full mask (every vocabulary token checked) or
+# checks of single tokens (rejection: the sampled one; AWRS: each draw, counted as the walk goes)
+FULL_MASK = ("masked", "smc", "importance", "asap")
 EOS = -1
 
 
@@ -84,9 +89,12 @@ def estimate_from_counts(counts: dict[str, float], n: float, strings: list[str])
 
 def run_corrector(trie: TokenTrie, method: str, target: dict[str, float], budgets: list[int], *, seed: int = 0,
                   particles: int = 16, ess_threshold: float = 0.5) -> list[dict]:
-    """Run `method` until each forward-pass budget; -> [{method, forward_passes, samples, kl, tv}] per budget.
+    """Run `method` until each forward-pass budget; -> [{method, forward_passes, samples, kl, tv, masks,
+    checks}] per budget.
 
     kl = KL(target || estimate), tv = TV(target, estimate), estimate smoothed as in `estimate_from_counts`.
+    masks: full vocabulary masks computed (one per sampled token for FULL_MASK methods); checks: single-token
+    grammar checks (rejection: one per sampled token; AWRS: one per draw).
     """
     if method not in CORRECTORS:
         raise ValueError(f"method={method!r} is not a corrector; allowed: {list(CORRECTORS)}")
@@ -96,7 +104,7 @@ def run_corrector(trie: TokenTrie, method: str, target: dict[str, float], budget
     rng = np.random.default_rng(seed)
     strings = trie.strings
     budgets = sorted(budgets)
-    rows, cost = [], 0
+    rows, cost, checks = [], 0, 0
     counts: dict[str, float] = {}
     n = 0.0
     efg = np.ones(len(trie))
@@ -104,7 +112,30 @@ def run_corrector(trie: TokenTrie, method: str, target: dict[str, float], budget
     def record():
         est = estimate_from_counts(counts, n, strings)
         rows.append({"method": method, "forward_passes": cost, "samples": n,
-                     "kl": kl(target, est), "tv": tv(target, est)})
+                     "kl": kl(target, est), "tv": tv(target, est),
+                     "masks": cost if method in FULL_MASK else 0,
+                     "checks": cost if method == "rejection" else checks})
+
+    if method in ("awrs", "awrs_smc"):
+        from decodelab.constrained.awrs_trie import awrs_smc_run, awrs_tables, awrs_walk
+
+        awrs = awrs_tables(trie)
+        runs = []
+        for budget in budgets:
+            while cost < budget:
+                if method == "awrs":
+                    string, spent, checked = awrs_walk(awrs, trie, rng)
+                    counts[string] = counts.get(string, 0.0) + 1.0
+                    n += 1
+                else:
+                    log_zhat, estimate, spent, checked = awrs_smc_run(awrs, trie, rng, particles, ess_threshold)
+                    runs.append((log_zhat, estimate))
+                cost += spent
+                checks += checked
+            if method == "awrs_smc":
+                counts, n = _combine_runs(runs, particles)
+            record()
+        return rows
 
     if method in ("smc", "importance"):
         threshold = 0.0 if method == "importance" else ess_threshold
@@ -151,7 +182,11 @@ def _asap_update(tables, efg: np.ndarray, path: list[int]) -> None:
 
 
 def _combine_runs(runs, particles: int) -> tuple[dict[str, float], float]:
-    """Independent SMC runs -> one estimate: weight each run by its marginal-likelihood estimate Z_hat."""
+    """Independent SMC runs -> one estimate: weight each run by its marginal-likelihood estimate Z_hat.
+    Runs with Z_hat = 0 (every particle died) carry no weight and count no samples."""
+    runs = [(lz, e) for lz, e in runs if lz > -math.inf]
+    if not runs:
+        return {}, 0.0
     top = max(lz for lz, _ in runs)
     weights = [math.exp(lz - top) for lz, _ in runs]
     total = sum(weights)

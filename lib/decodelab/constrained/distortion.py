@@ -30,6 +30,8 @@ from decodelab.core.engine import as_transformer, extend, prefill
 from decodelab.core.tree_cache import TreeCache
 from decodelab.workloads.prompts import user_prompt_ids
 
+OFF_TOKENS = 256  # forbidden tokens kept per trie node for AWRS (the rest of their mass is one lump)
+
 
 @dataclass
 class TokenTrie:
@@ -45,6 +47,9 @@ class TokenTrie:
     # filled by score_trie: log p(token | node) for each child token and for EOS (sum over stop ids)
     child_logp: list[dict[int, float]] | None = None
     eos_logp: list[float] | None = None
+    # also filled by score_trie: the largest log-probs of tokens the mask forbids at each node (descending; EOS
+    # of an incomplete node included): what AWRS draws and rejects, so its grammar checks can be counted
+    off_logp: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -155,8 +160,10 @@ def build_trie(strings: list[str], token_bytes: list[bytes | None], stop_token_i
 
 
 @torch.inference_mode()
-def score_trie(model, prompt: list[int], trie: TokenTrie, *, chunk_size: int = 256) -> TokenTrie:
-    """Fill trie.child_logp / trie.eos_logp with the model's next-token log-probs at every node.
+def score_trie(model, prompt: list[int], trie: TokenTrie, *, chunk_size: int = 256,
+               off_tokens: int = OFF_TOKENS) -> TokenTrie:
+    """Fill trie.child_logp / trie.eos_logp with the model's next-token log-probs at every node, and
+    trie.off_logp with the `off_tokens` most likely forbidden tokens' log-probs.
 
     One prefill of the prompt, then ceil((N - 1) / chunk_size) tree-attention forwards. Returns the trie.
     """
@@ -174,12 +181,18 @@ def score_trie(model, prompt: list[int], trie: TokenTrie, *, chunk_size: int = 2
     stops = list(trie.stop_token_ids)
     trie.child_logp = []
     trie.eos_logp = []
+    trie.off_logp = []
     for node, logp in enumerate(logps):
         kids = trie.children[node]
         ids = list(kids)
         values = logp[ids].tolist() if ids else []
         trie.child_logp.append(dict(zip(ids, values)))
         trie.eos_logp.append(float(torch.logsumexp(logp[stops], 0)))
+        off = logp.clone()
+        off[ids] = -math.inf
+        if trie.complete[node] is not None:
+            off[stops] = -math.inf  # EOS is allowed here (a whole string is spelled)
+        trie.off_logp.append(torch.topk(off, min(off_tokens, off.numel())).values.tolist())
     return trie
 
 

@@ -1,0 +1,127 @@
+"""Wall time of the correctors: each operation they perform, timed on this machine, times how often they do it.
+
+The correctors run on the scored trie (`constrained.correctors`), which counts what a real decode would do
+per sampled token instead of redoing it: one model forward, one softmax over the vocabulary, draws, and
+either one full mask (masked, SMC, importance, ASAp: the grammar engine checks the whole vocabulary and the
+bitmask is applied) or single-token grammar checks (rejection: the sampled token; AWRS: every draw). Each of
+these operations is timed here with the model and the grammar engine of the run, on the tasks' own
+constraints, and a run's wall time is assembled from its counts:
+
+    wall = forward_passes * (t_forward + t_softmax) + draws * t_draw + masks * t_mask + checks * t_check
+
+draws = checks for AWRS (a check follows each draw), forward_passes otherwise. The forward is the fastest
+timed decode step at batch 1 (the same for every method, so it sets the scale; the per-token differences
+between methods are the mask against the checks).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from decodelab.common.goals import Goal
+from decodelab.constrained.bitmask import allocate_bitmask, apply_bitmask
+from decodelab.constrained.constraint import Constraint
+
+KL_TARGET = 0.01      # nats: "exact" for the goal
+WALL_FACTOR = 1.5     # ... within this multiple of plain masking's wall time
+AWRS_METHODS = ("awrs", "awrs_smc")
+
+
+def _mean_seconds(fn, repeats: int) -> float:
+    """Mean wall seconds of fn() over `repeats` calls (after one warm-up call)."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def operation_seconds(engine, tasks: list[dict], vocab_size: int, forward_s: float, *, repeats: int = 100,
+                      seed: int = 0) -> dict[str, float]:
+    """{forward, softmax, draw, mask, check}: seconds of one of each operation (see the module doc).
+
+    mask and check are averaged over the tasks' choice constraints at their start state: a full bitmask fill
+    plus its application to (1, V) logits; one `accept` of a token drawn uniformly from the vocabulary
+    (almost always rejected, as most AWRS checks are) or of an allowed token followed by `rollback(1)`."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, vocab_size, generator=gen)
+    probs = torch.softmax(logits[0], -1)
+    bitmask = allocate_bitmask(1, vocab_size)
+    masks, checks = [], []
+    rng = np.random.default_rng(seed)
+    for task in tasks:
+        matcher = engine.matcher(engine.compile(Constraint.choices(task["strings"], name=task["name"])))
+
+        def fill_apply():
+            matcher.fill(bitmask, 0)
+            apply_bitmask(logits, bitmask)
+
+        masks.append(_mean_seconds(fill_apply, repeats))
+        matcher.fill(bitmask, 0)
+        allowed = int(torch.nonzero(apply_bitmask(logits, bitmask)[0] > -torch.inf)[0])
+        tokens = rng.integers(0, vocab_size, size=repeats + 1).tolist()
+
+        def check_random():
+            if matcher.accept(tokens.pop()):
+                matcher.rollback(1)
+
+        checks.append(_mean_seconds(check_random, repeats))
+
+        def check_allowed():
+            matcher.accept(allowed)
+            matcher.rollback(1)
+
+        checks.append(_mean_seconds(check_allowed, repeats))
+    return {"forward": forward_s,
+            "softmax": _mean_seconds(lambda: torch.softmax(logits, -1), repeats),
+            "draw": _mean_seconds(lambda: torch.multinomial(probs, 1, generator=gen), repeats),
+            "mask": float(np.mean(masks)), "check": float(np.mean(checks))}
+
+
+def wall_seconds(row: dict, ops: dict[str, float]) -> float:
+    """A corrector row's (forward_passes, masks, checks) -> its wall seconds under `ops`."""
+    passes = row["forward_passes"]
+    draws = row["checks"] if row["method"] in AWRS_METHODS else passes
+    return (passes * (ops["forward"] + ops["softmax"]) + draws * ops["draw"] + row["masks"] * ops["mask"]
+            + row["checks"] * ops["check"])
+
+
+def with_wall(rows: list[dict], ops: dict[str, float]) -> list[dict]:
+    """Corrector rows with wall_s and checks_per_token added."""
+    return [{**r, "wall_s": wall_seconds(r, ops), "checks_per_token": r["checks"] / r["forward_passes"]}
+            for r in rows]
+
+
+def kl_at_masking_cost(rows: list[dict], method: str, *, factor: float = WALL_FACTOR) -> dict[str, float]:
+    """{task: KL of `method` at its largest budget whose wall time <= factor x masked's at its largest budget}
+    (inf when even its smallest budget costs more). rows: `with_wall` rows with a task column."""
+    out = {}
+    for task in dict.fromkeys(r["task"] for r in rows):
+        masked = [r for r in rows if r["task"] == task and r["method"] == "masked"]
+        mine = [r for r in rows if r["task"] == task and r["method"] == method]
+        if not masked or not mine:
+            continue
+        limit = factor * max(masked, key=lambda r: r["forward_passes"])["wall_s"]
+        within = [r for r in mine if r["wall_s"] <= limit]
+        out[task] = max(within, key=lambda r: r["forward_passes"])["kl"] if within else float("inf")
+    return out
+
+
+def awrs_goals(rows: list[dict], vocab_size: int) -> list[Goal]:
+    """AWRS-SMC: KL <= KL_TARGET at <= WALL_FACTOR x masking's wall time on every task (the worst task is the
+    value); AWRS's grammar checks per token against the vocabulary a full mask scans."""
+    kls = kl_at_masking_cost(rows, "awrs_smc")
+    worst = max(kls, key=kls.get) if kls else None
+    met = [t for t, v in kls.items() if v <= KL_TARGET]
+    per_token = [r["checks_per_token"] for r in rows if r["method"] == "awrs_smc"]
+    return [
+        Goal.check("awrs_smc_kl_at_masking_cost", kls.get(worst), "<=", KL_TARGET, unit="nats",
+                   label=f"AWRS-SMC: KL to p(x | L) at <= {WALL_FACTOR}x plain masking's wall time (worst task)",
+                   note=f"worst: {worst}; {len(met)} of {len(kls)} tasks within {KL_TARGET} nats; median "
+                        f"{np.median(list(kls.values())) if kls else float('nan'):.3g} nats"),
+        Goal.check("awrs_checks_per_token", float(np.mean(per_token)) if per_token else None, "<=",
+                   0.01 * vocab_size, unit="",
+                   label=f"AWRS-SMC grammar checks per token (a full mask checks all {vocab_size}; target 1% of that)"),
+    ]
