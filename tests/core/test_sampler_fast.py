@@ -1,9 +1,9 @@
-"""The sort-free sampler paths against the full-sort pipeline they replace, token for token.
+"""The sort-free sampler paths against the full-sort pipeline they replace.
 
-The reference below is the sampler as it was before the fast paths (one full sort per row, the
-thresholds and the inverse-CDF draw read from it), copied here unchanged: for the same generator state
-the fast pipeline must draw the same token in every row, on random logits with ties, -inf entries,
-peaked and flat rows, per-row settings and both stage orders.
+The filters, token for token: the reference below is the pipeline as it was before the fast paths (one
+full sort per row, the thresholds read from it), copied here unchanged; the processed logits must be
+equal on random logits with ties, -inf entries, peaked and flat rows, per-row settings and both orders.
+The draw (the sort-free head-first inverse CDF) is checked by its law in tests/core/test_sampler_law.py.
 """
 import numpy as np
 import pytest
@@ -18,7 +18,7 @@ from decodelab.core.filters import (
     sort_values,
     typical_filter,
 )
-from decodelab.core.sampling import Sampler, SamplerConfig, draw_uniforms, sample_inverse_cdf
+from decodelab.core.sampling import Sampler, SamplerConfig
 
 # ----------------------------------------------------------------------------------------------
 # the reference: today's functions before the fast paths, verbatim apart from names
@@ -45,21 +45,6 @@ def ref_top_p_threshold(logits, top_p, sorted_asc=None):
 def ref_min_p_threshold(logits, min_p):
     m = filters._row_param(min_p, logits)
     return logits.amax(dim=-1, keepdim=True) + torch.log(m)
-
-
-def ref_sample_inverse_cdf(logits, u, sorted_asc=None):
-    sa = sort_values(logits) if sorted_asc is None else sorted_asc
-    B, V = sa.shape
-    cum = sa.softmax(dim=-1).cumsum_(dim=-1)
-    target = (1 - u.to(cum.device, cum.dtype)).reshape(B, 1) * cum[:, -1:]
-    pos = torch.searchsorted(cum, target, right=True).clamp(max=V - 1)
-    value = sa.gather(-1, pos)
-    tie_rank = pos - torch.searchsorted(sa, value, right=False)
-    equal = logits == value
-    if not bool((tie_rank > 0).any()):
-        return equal.view(torch.uint8).argmax(dim=-1)
-    nth = equal.cumsum(dim=-1)
-    return (equal & (nth == tie_rank + 1)).view(torch.uint8).argmax(dim=-1)
 
 
 def ref_run(sampler, logits):
@@ -102,14 +87,6 @@ def ref_run(sampler, logits):
     return x, sa
 
 
-def ref_sample(sampler, logits, generator):
-    u = draw_uniforms(generator, logits.shape[0], logits.device)
-    if sampler.is_greedy:
-        return logits.argmax(dim=-1)
-    x, sa = ref_run(sampler, logits)
-    return ref_sample_inverse_cdf(x, u, sa)
-
-
 # ----------------------------------------------------------------------------------------------
 # logits that exercise the edges
 
@@ -150,58 +127,11 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("order", ["hf", "vllm"])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
-def test_fast_pipeline_draws_the_reference_tokens(cfg, order):
-    sampler = Sampler(cfg, order=order)
-    for seed in range(6):
-        logits = hard_logits(seed)
-        for step in range(4):
-            g_fast = torch.Generator().manual_seed(100 * seed + step)
-            g_ref = torch.Generator().manual_seed(100 * seed + step)
-            fast = sampler.sample(logits, g_fast)
-            ref = ref_sample(sampler, logits, g_ref)
-            assert torch.equal(fast, ref), (cfg.label(), order, seed, step)
-            assert torch.equal(g_fast.get_state(), g_ref.get_state())  # one uniform per row, both sides
-
-
-@pytest.mark.parametrize("order", ["hf", "vllm"])
-def test_fast_pipeline_matches_per_row_mixed_settings_and_greedy_rows(order):
-    rows = [CONFIGS[i % len(CONFIGS)] for i in range(23)] + [SamplerConfig(temperature=0.0)]
-    sampler = Sampler(rows, order=order)
-    for seed in range(5):
-        logits = hard_logits(seed)
-        fast = sampler.sample(logits, torch.Generator().manual_seed(seed))
-        assert torch.equal(fast, ref_sample(sampler, logits, torch.Generator().manual_seed(seed)))
-
-
-@pytest.mark.parametrize("cfg", CONFIGS[:10], ids=lambda c: c.label())
-def test_fast_pipeline_at_the_embedded_vocabulary_size(cfg):
-    g = torch.Generator().manual_seed(3)
-    logits = -torch.empty(8, 49152).exponential_(generator=g).log() * 1.5  # LM-like heavy tail
-    sampler = Sampler(cfg)
-    for step in range(5):
-        assert torch.equal(sampler.sample(logits, torch.Generator().manual_seed(step)),
-                           ref_sample(sampler, logits, torch.Generator().manual_seed(step)))
-
-
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
 def test_processed_logits_equal_the_reference(cfg):
     sampler = Sampler(cfg)
     logits = hard_logits(11)
     assert torch.equal(sampler.process(logits), ref_run(sampler, logits)[0])
-
-
-def test_uniform_grid_maps_to_the_same_tokens_as_the_full_sort():
-    """Every u on a fine grid, with boundaries of every size: the window's inverse CDF is the full one."""
-    logits = hard_logits(5, batch=6, vocab=3000)
-    sampler = Sampler(SamplerConfig(top_k=30))
-    x, window = sampler._run(logits, need_sorted=True)
-    assert window.shape[-1] < x.shape[-1]
-    full = sort_values(x)
-    for u in torch.linspace(0, 1 - 2 ** -24, 2001):
-        uu = u.repeat(x.shape[0])
-        assert torch.equal(sample_inverse_cdf(x, uu, window), ref_sample_inverse_cdf(x, uu, full))
 
 
 def test_window_softmax_equals_the_full_sorted_rows():
@@ -247,11 +177,52 @@ def test_row_max_equals_amax():
     assert np.array_equal(filters.row_max(x.double()).numpy(), x.double().amax(-1, keepdim=True).numpy())
 
 
-def test_nan_and_inf_rows_take_the_reference_path():
-    x = hard_logits(6, batch=4, vocab=2000)
-    x[1, 5] = float("nan")
-    x[2, 9] = float("inf")
-    for cfg in (SamplerConfig(top_k=20), SamplerConfig(min_p=0.1), SamplerConfig(top_k=20, top_p=0.9)):
-        sampler = Sampler(cfg)
-        fast = sampler.sample(x, torch.Generator().manual_seed(0))
-        assert torch.equal(fast, ref_sample(sampler, x, torch.Generator().manual_seed(0)))
+@pytest.mark.parametrize("order", ["hf", "vllm"])
+def test_processed_logits_equal_the_reference_per_row_mixed_settings_and_greedy_rows(order):
+    rows = [CONFIGS[i % len(CONFIGS)] for i in range(23)] + [SamplerConfig(temperature=0.0)]
+    sampler = Sampler(rows, order=order)
+    for seed in range(5):
+        logits = hard_logits(seed)
+        assert torch.equal(sampler.process(logits), ref_run(sampler, logits)[0])
+
+
+TOP_P = [SamplerConfig(top_p=0.9), SamplerConfig(temperature=0.7, top_p=0.9), SamplerConfig(top_p=0.5),
+         SamplerConfig(top_p=0.99, temperature=1.5), SamplerConfig(min_p=0.05, top_p=0.8)]
+
+
+@pytest.mark.parametrize("order", ["hf", "vllm"])
+@pytest.mark.parametrize("cfg", CONFIGS[:10] + TOP_P, ids=lambda c: c.label())
+def test_processed_logits_equal_the_reference_at_the_embedded_vocabulary_size(cfg, order):
+    """LM-like heavy tails at V = 49152, where top-p first takes its nucleus window (no full sort)."""
+    g = torch.Generator().manual_seed(3)
+    logits = -torch.empty(8, 49152).exponential_(generator=g).log() * torch.linspace(0.8, 2.5, 8).reshape(8, 1)
+    sampler = Sampler(cfg, order=order)
+    assert torch.equal(sampler.process(logits), ref_run(sampler, logits)[0])
+
+
+def test_top_p_window_holds_the_nucleus_and_gives_the_full_sort_threshold():
+    g = torch.Generator().manual_seed(5)
+    V = 49152
+    logits = -torch.empty(16, V).exponential_(generator=g).log() * torch.linspace(1.5, 3.0, 16).reshape(16, 1)
+    top_p = torch.linspace(0.05, 0.95, 16, dtype=torch.float64)
+    thr, window = filters.top_p_window_threshold(logits, top_p)
+    assert window.shape[-1] <= V // 8  # a window, not the row
+    assert torch.equal(thr, ref_top_p_threshold(logits, top_p))
+    # the window is the top of the sort, and every kept value is in it
+    finite = torch.isfinite(window)
+    assert torch.equal(window[finite], sort_values(logits)[:, V - window.shape[-1]:][finite])
+    kept = logits >= thr
+    assert torch.equal(kept.sum(-1), (window >= thr).sum(-1))
+
+
+def test_top_p_window_falls_back_to_the_full_sort_on_flat_nan_or_inf_rows():
+    assert filters.top_p_window_threshold(torch.zeros(2, 4096), 0.9) is None  # flat: the window is the row
+    x = torch.randn(2, 4096) * 5
+    assert filters.top_p_window_threshold(x, 0.9) is not None
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[1, 3] = bad
+        assert filters.top_p_window_threshold(y, 0.9) is None
+    assert filters.top_p_window_threshold(x.cuda() if torch.cuda.is_available() else x.to("meta"), 0.9) is None
+    ones = filters.top_p_window_threshold(x, torch.tensor([1.0, 0.9], dtype=torch.float64))[0]
+    assert ones[0, 0] == NEG_INF and ones[1, 0] > NEG_INF  # top_p = 1 disables the row

@@ -1,31 +1,31 @@
-"""Samplers: a per-row pipeline of temperature and truncation filters, and the inverse-CDF draw.
+"""Samplers: a per-row pipeline of temperature and truncation filters, and a sort-free inverse-CDF draw.
 
 The filters themselves (pure ``(B, V) -> (B, V)`` functions and their per-row thresholds) are in
 :mod:`decodelab.core.filters`; their names are importable from here too. :class:`Sampler` runs them in
 a chosen stage order over a batch whose rows may each have their own :class:`SamplerConfig`.
 
-Apart from typical sampling every filter is a threshold on the logit, and the pipeline exploits that:
-it keeps one ascending copy of each row's values, and applies each threshold both to the logits and to
-that copy, which stays sorted. Top-p and the final inverse-CDF draw read it.
+Apart from typical sampling every filter is a threshold on the logit. Cost: nothing sorts the whole
+vocabulary unless it must. Temperature and min-p need no sort (min-p is a threshold on the row's max);
+top-k reads its k-th largest value from the values above a one-pass lower bound
+(``filters.chunk_max_bound``); top-p reads its cut from a window of the largest values that provably
+holds the nucleus (``filters.top_p_window_threshold``), falling back to the full sort only for flat
+rows, where the window would be most of the row. A stage that has such a sorted window keeps it
+consistent with the logits, so later stages read it too. The last threshold of the pipeline is not
+applied as a masked copy: the draw applies it (``sample_inverse_cdf(x, u, threshold)``).
 
-Cost: the copy is a full sort only where it has to be. The temperature and min-p stages need none (min-p is a
-threshold on the row's max); top-k reads its k-th largest value from the values above a one-pass lower
-bound (``filters.chunk_max_bound``), sorted: no full sort; after top-k or min-p the kept set is
-small, and the copy is the window of the L largest values, which stands for the
-full sorted row because everything left out of it is -inf (``filters.sorted_kept``). The full sort
-stays where the kept set is broad: plain temperature sampling and top-p applied first. There the
-draw's float rounding depends on the softmax normalizer summed over the whole sorted row, which no
-window reproduces; a window would change a draw where a uniform falls within rounding of an interval
-boundary, so same seed -> same token could not be promised.
+The draw (``sample_inverse_cdf``) needs no sort: head-first inverse CDF (the argmax, then the other
+tokens in vocabulary order), P(token i) = softmax(processed logits)_i up to float rounding. (Until issue 15
+it ranked tokens by probability, a full sort per row: the same seed now draws other tokens, same law.)
 
 Common random numbers: ``Sampler.sample`` draws exactly one uniform u per row from the passed generator
-(also for greedy rows) and maps it to a token by the inverse CDF over the tokens ranked from least to
-most probable (``sample_inverse_cdf``): u near 0 picks the most probable token. Two samplers given
-generators in the same state therefore use the same u for each row and step, and their draws are
-coupled: a filter that keeps the head moves each head token's interval only by the renormalization, so
-paired comparisons between samplers see the differences of the filters, not of the noise. The fast
-paths above change no arithmetic that decides a token (the same values, in the same order, through the
-same kernels), so tokens are identical to the full-sort pipeline's for the same generator state.
+(also for greedy rows) and maps it to a token by that inverse CDF. Two samplers given generators in the
+same state therefore use the same u for each row and step, and their draws are coupled this way: u below
+both samplers' (renormalized) argmax probabilities picks the argmax in both, which every threshold
+filter keeps; above that, the tokens follow in vocabulary order, so where the two kept sets differ the
+intervals of later ids shift and the two draws decouple (a rank-ordered draw kept the head's intervals
+aligned further down the ranking, at the price of the sort). Paired comparisons stay coupled on the
+argmax, which holds most of the mass of a confident LM step: equal uniforms -> equal tokens for two
+samplers that keep the same set (e.g. top_p = 1 and plain temperature sampling).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from decodelab.core.filters import (
     top_k_threshold,
     top_p_filter,
     top_p_threshold,
+    top_p_window_threshold,
     typical_filter,
 )
 
@@ -77,15 +78,16 @@ VLLM_ORDER = ("temperature", "min_p", "top_k", "top_p", "typical_p", "epsilon", 
 _NEUTRAL = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon=0.0, eta=0.0)
 
 
+# the draw takes the kept tokens' ids when they are at most 1 / this of the batch's entries
+_SPARSE_FRACTION = 16
+# ids per chunk of the draw's two-level search: (64, 49152) logits give 192 chunk sums per row
+_CHUNK = 256
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """(B, V) -> (B,) long: each row's first maximal index, as ``torch.argmax``.
-
-    On CPU numpy's argmax is used: for (64, 49152) float32 it is ~10x faster than torch's, which
-    matters in greedy decoding's per-step path.
-    """
+    """(B, V) -> (B,) long: each row's first maximal index, as ``torch.argmax`` (numpy's on CPU: for
+    (64, 49152) float32 ~10x faster than torch's, which matters in greedy decoding's per-step path)."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        import numpy as np
-
         return torch.from_numpy(np.argmax(logits.detach().contiguous().numpy(), axis=-1).astype(np.int64))
     return logits.argmax(dim=-1)
 
@@ -94,55 +96,87 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 # sampling
 
 
-def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, sorted_asc: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, V) logits, (B,) uniforms in [0, 1) -> (B,) long token ids drawn from softmax(logits).
+def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) logits, (B,) uniforms in [0, 1) -> (B,) long token ids drawn from softmax(logits), no sort.
 
-    Rank-ordered inverse CDF: with tokens ordered from least to most probable and c their cumulative
-    mass (total C), pick the first position i with c_i > (1 - u) * C. So u near 0 picks the most
-    probable token, and the same u gives paired draws across samplers that share the ranking
-    (truncating the tail never moves the head's intervals by more than the renormalization).
-    P(i) = (c_i - c_{i-1}) / C exactly. A chosen i always has p_i > 0: c strictly increases there
-    (adding a float 0 never does), and the clamp for (1 - u) C rounding up to C lands on the argmax.
-    Ties (equal logits) share the rank interval: the j-th of them in the order goes to the j-th
-    such token id.
-    `sorted_asc` may be a window of the sorted row that stands for all of it (``filters.sorted_kept``):
-    the left-out entries are -inf, add 0 to every sum, and positions keep their offset from the end.
+    Head-first inverse CDF: the row's argmax a (its first maximal id) comes first, then every other
+    token in vocabulary order. With weights w_i = exp(x_i - x_a) (w_a = 1, removed tokens 0) and
+    C = sum_i w_i, a is picked when u C < 1, else the first token i != a with 1 + c_i > u C, where c_i
+    sums the non-head weights up to id i. P(i) = w_i / C (up to float rounding), so the law is
+    softmax(logits) exactly as a sort-based draw; only which token a given u maps to differs.
+    `threshold` (B, 1), optional: tokens with x_i < threshold count as removed (weight 0), the same as
+    masking them to -inf first, without the masked copy (a pipeline's last threshold stage is deferred here).
+    The search is two-level: per-chunk sums of w (chunks of _CHUNK ids), their cumulative sum in float64,
+    then a cumulative sum inside the one chunk picked. A picked token always has w_i > 0: each search
+    takes the first entry whose cumulative sum exceeds the target, and is clamped to the last entry
+    that still increases it (where rounding leaves the target at or past the end).
     """
-    sa = sort_values(logits) if sorted_asc is None else sorted_asc
-    B, V = sa.shape
-    cum = sa.softmax(dim=-1).cumsum_(dim=-1)
-    target = (1 - u.to(cum.device, cum.dtype)).reshape(B, 1) * cum[:, -1:]
-    pos = torch.searchsorted(cum, target, right=True).clamp(max=V - 1)  # (B, 1)
-    value = sa.gather(-1, pos)
-    # position within the run of equal values; 0 for every row unless logits tie
-    tie_rank = pos - torch.searchsorted(sa, value, right=False)
-    return _nth_token_with_value(logits, value, tie_rank)
+    x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
+    B, V = x.shape
+    head = argmax_rows(x).to(x.device).reshape(B, 1)
+    m = x.gather(-1, head)
+    if threshold is not None and x.device.type == "cpu" and bool(torch.isfinite(m).all()):
+        keep = x.detach().contiguous().numpy() >= threshold.detach().numpy()
+        if np.count_nonzero(keep) * _SPARSE_FRACTION <= keep.size:
+            return _sparse_draw(x.detach().contiguous().numpy(), keep, head, m, u)
+    w = torch.sub(x, torch.where(torch.isfinite(m), m, 0.0))  # rows without a finite max: drawn as the head
+    w.exp_()
+    if threshold is not None:
+        _fill_below_(w, x, threshold, 0.0)
+    w.scatter_(-1, head, 0.0)  # the head's weight 1 is handled apart: it comes first
+    width = _CHUNK if V >= 4 * _CHUNK else V
+    pad = (-V) % width
+    chunks = (torch.nn.functional.pad(w, (0, pad)) if pad else w).view(B, -1, width)
+    chunk_cum = chunks.sum(-1).double().cumsum_(-1)  # (B, n_chunks) non-head mass up to each chunk's end
+    rest = chunk_cum[:, -1:]  # (B, 1) C - 1
+    target = u.to(x.device, torch.float64).reshape(B, 1) * (1 + rest) - 1  # < 0: the head
+    c = _first_exceeding(chunk_cum, target)
+    before = torch.where(c > 0, chunk_cum.gather(-1, (c - 1).clamp(min=0)), 0.0)
+    inside = chunks.gather(1, c.unsqueeze(-1).expand(B, 1, width)).squeeze(1).double().cumsum_(-1)
+    token = c * width + _first_exceeding(inside, target - before)
+    pick_head = (target < 0) | (rest <= 0) | ~torch.isfinite(m)
+    return torch.where(pick_head, head, token).reshape(B)
 
 
-def _nth_token_with_value(logits: torch.Tensor, value: torch.Tensor, tie_rank: torch.Tensor) -> torch.Tensor:
-    """(B, V), (B, 1), (B, 1) -> (B,) long: per row the (tie_rank + 1)-th token id whose logit equals value."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        xn, vn, rn = logits.detach().contiguous().numpy(), value.numpy(), tie_rank.numpy()[:, 0]
-        equal = xn == vn
-        tokens = np.argmax(equal, axis=-1)  # the first token holding that value
-        for row in np.flatnonzero(rn > 0):  # ties: slot j of the run goes to the j-th such token id
-            tokens[row] = np.flatnonzero(equal[row])[rn[row]]
-        return torch.from_numpy(tokens.astype(np.int64))
-    equal = logits == value
-    if not bool((tie_rank > 0).any()):
-        return equal.view(torch.uint8).argmax(dim=-1)  # the one token holding that value
-    # the run of equal values holds one slot per tied token: slot j goes to the j-th such token id
-    nth = equal.cumsum(dim=-1)  # 1-based count of equal tokens up to each id
-    return (equal & (nth == tie_rank + 1)).view(torch.uint8).argmax(dim=-1)
+def _sparse_draw(xn: np.ndarray, keep: np.ndarray, head: torch.Tensor, m: torch.Tensor, u: torch.Tensor):
+    """-> (B,) long: the same head-first inverse CDF over only the kept ids (keep (B, V) bool, few True): their
+    weights, in vocabulary order row after row, and one float64 cumulative sum over all of them (it
+    increases across rows, so one search finds each row's token), clamped to the row's last id with w > 0."""
+    rows, cols = np.divmod(np.flatnonzero(keep), keep.shape[1])  # ids ascending within each row
+    w = np.exp(xn[rows, cols].astype(np.float64) - m.numpy()[rows, 0])
+    w[cols == head.numpy()[rows, 0]] = 0.0  # the head comes first, apart
+    cum = np.cumsum(w)
+    end = np.cumsum(np.bincount(rows, minlength=xn.shape[0]))  # one past each row's last kept id
+    start = end - np.bincount(rows, minlength=xn.shape[0])
+    base = np.where(start > 0, cum[np.maximum(start - 1, 0)], 0.0)
+    rest = cum[end - 1] - base  # every row keeps its head, so end > start
+    target = u.numpy().astype(np.float64) * (1 + rest) - 1  # < 0: the head
+    last = np.searchsorted(cum, cum[end - 1], side="left")  # the row's last id that adds weight
+    pos = np.minimum(np.searchsorted(cum, base + target, side="right"), last)
+    tokens = np.where((target < 0) | (rest <= 0), head.numpy()[:, 0], cols[np.clip(pos, 0, cols.size - 1)])
+    return torch.from_numpy(tokens.astype(np.int64))
+
+
+def _first_exceeding(cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(B, n) non-decreasing, (B, 1) -> (B, 1): the first index with cum > target, clamped to the first
+    index holding the row's total (the last one that increases the sum, so its own weight is > 0)."""
+    first = torch.searchsorted(cum, target.contiguous(), right=True)
+    last = torch.searchsorted(cum, cum[:, -1:].contiguous(), right=False)
+    return torch.minimum(first, last)
+
+
+def _fill_below_(out: torch.Tensor, x: torch.Tensor, thr: torch.Tensor, value: float) -> None:
+    """In place: out[x < thr] = value, out and x (B, V), thr (B, 1); numpy's masked copy on CPU (~3x
+    faster than torch's masked_fill)."""
+    if out.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and out.is_contiguous():
+        np.copyto(out.numpy(), value, where=x.detach().contiguous().numpy() < thr.detach().cpu().numpy())
+    else:
+        out.masked_fill_(x < thr.to(x.device), value)
 
 
 def _mask_below_(x: torch.Tensor, thr: torch.Tensor) -> None:
-    """In place: x[x < thr] = -inf, (B, V) and (B, 1); numpy's masked copy on CPU (same values, ~5x faster)."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.is_contiguous():
-        xn = x.numpy()
-        np.copyto(xn, NEG_INF, where=xn < thr.detach().numpy())  # numpy promotes as torch does
-    else:
-        x.masked_fill_(x < thr, NEG_INF)
+    """In place: x[x < thr] = -inf, (B, V) and (B, 1) (numpy promotes the compare as torch does)."""
+    _fill_below_(x, x, thr, NEG_INF)
 
 
 def draw_uniforms(generator, batch_size: int, device=None) -> torch.Tensor:
@@ -279,14 +313,16 @@ class Sampler:
         if self.per_row and logits.shape[0] != len(self.configs):
             raise ValueError(f"logits have {logits.shape[0]} rows but the sampler has {len(self.configs)} configs")
 
-    def _run(self, logits: torch.Tensor, need_sorted: bool):
-        """(B, V) -> processed (B, V) float32 and, if need_sorted, its ascending copy (or None): the full
-        sort or a window of it that stands for the full sort (``filters.sorted_kept``)."""
+    def _run(self, logits: torch.Tensor, defer_last: bool = False):
+        """(B, V) -> (processed (B, V) float32, deferred threshold (B, 1) or None).
+
+        With defer_last, a last stage that is a threshold is not applied to the logits: its threshold is
+        returned instead, for the draw to apply (``sample_inverse_cdf``), which saves a masked copy."""
         self._check(logits)
         x = logits.float()
         p = self._params(x.device)
-        sa = None
-        for stage in self.stages:
+        sa = None  # an ascending copy of x's values (or a window standing for it), when a stage has one
+        for i, stage in enumerate(self.stages):
             if stage == "temperature":
                 if self._any_greedy:
                     x, sa = apply_temperature(x, p["temperature"]), None
@@ -299,8 +335,12 @@ class Sampler:
             if stage == "typical_p":
                 x, sa = typical_filter(x, p["typical_p"]), None  # not a threshold: the sort goes stale
                 continue
+            thr = None
             if stage == "top_p" and sa is None:
-                sa = sorted_kept(x)
+                # a window of the largest values that provably holds every row's nucleus: no full sort
+                thr, sa = top_p_window_threshold(x, p["top_p"]) or (None, None)
+                if thr is None:
+                    sa = sorted_kept(x)
             if stage == "top_k" and sa is None and x.device.type == "cpu":
                 # every value >= a lower bound on the k-th largest: a window holding each row's top k,
                 # so the k-th largest is read from it; after the cut it stands for the full sort
@@ -310,13 +350,18 @@ class Sampler:
                     bound = chunk_max_bound(x, k_max)
                 if bound is not None:
                     sa = candidates_window(x, bound, min_length=k_max)
-            thr = {
-                "top_k": lambda: top_k_threshold(x, p["top_k"], sa),
-                "top_p": lambda: top_p_threshold(x, p["top_p"], sa),
-                "min_p": lambda: min_p_threshold(x if sa is None else sa, p["min_p"]),  # same row max
-                "epsilon": lambda: epsilon_threshold(x, p["epsilon"]),
-                "eta": lambda: eta_threshold(x, p["eta"]),
-            }[stage]()
+            if thr is None:
+                thr = {
+                    "top_k": lambda: top_k_threshold(x, p["top_k"], sa),
+                    "top_p": lambda: top_p_threshold(x, p["top_p"], sa),
+                    "min_p": lambda: min_p_threshold(x if sa is None else sa, p["min_p"]),  # same row max
+                    "epsilon": lambda: epsilon_threshold(x, p["epsilon"]),
+                    "eta": lambda: eta_threshold(x, p["eta"]),
+                }[stage]()
+            if defer_last and i == len(self.stages) - 1:
+                if self._any_greedy:  # greedy rows keep their one-hot (below) whole
+                    thr = torch.where(p["greedy"], NEG_INF, thr.to(x.device))
+                return self._greedy_rows_onehot(logits, x, p), thr
             # the same threshold on the logits and on their sorted copy keeps the two consistent
             x = x.clone() if x.data_ptr() == logits.data_ptr() else x
             _mask_below_(x, thr)
@@ -324,18 +369,19 @@ class Sampler:
                 _mask_below_(sa, thr)
                 if sa.shape[-1] < x.shape[-1] and not is_full_window(sa):
                     sa = None  # a kept value may lie outside the window (top-k off in a row, long ties)
-        if self._any_greedy:  # T = 0: one-hot on the raw argmax, whatever ran before
-            raw = logits.float()
-            onehot = torch.zeros_like(raw, dtype=torch.bool).scatter_(-1, raw.argmax(-1, keepdim=True), True)
-            x = torch.where(p["greedy"], raw.masked_fill(~onehot, NEG_INF), x)
-            sa = None
-        if need_sorted and sa is None:
-            sa = sorted_kept(x)
-        return x, sa
+        return self._greedy_rows_onehot(logits, x, p), None
+
+    def _greedy_rows_onehot(self, logits: torch.Tensor, x: torch.Tensor, p: dict) -> torch.Tensor:
+        """T = 0 rows: one-hot on the raw argmax, whatever ran before; other rows x."""
+        if not self._any_greedy:
+            return x
+        raw = logits.float()
+        onehot = torch.zeros_like(raw, dtype=torch.bool).scatter_(-1, raw.argmax(-1, keepdim=True), True)
+        return torch.where(p["greedy"], raw.masked_fill(~onehot, NEG_INF), x)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V) -> (B, V) float32: temperature and filters in order, removed tokens at -inf."""
-        return self._run(logits, need_sorted=False)[0]
+        return self._run(logits)[0]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V) -> (B, V): the sampling distribution, rows sum to 1; temperature-0 rows one-hot."""
@@ -348,5 +394,5 @@ class Sampler:
         u = draw_uniforms(generator, logits.shape[0], logits.device)
         if self.is_greedy:
             return argmax_rows(logits)
-        x, sa = self._run(logits, need_sorted=True)
-        return sample_inverse_cdf(x, u, sa)
+        x, thr = self._run(logits, defer_last=True)
+        return sample_inverse_cdf(x, u, thr)
