@@ -179,3 +179,15 @@ def test_mistral_whose_window_covers_the_context_decodes_like_transformers():
     reference = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=0, do_sample=False,
                                   eos_token_id=[], pad_token_id=0)[0, len(prompt):].tolist()
     assert ours == reference and len(ours) == 20
+
+
+def test_bf16_where_the_cpu_lacks_it_names_what_is_available(no_loading, monkeypatch):
+    monkeypatch.setattr(models, "dtype_supported", lambda dtype, device: dtype != torch.bfloat16)
+    with pytest.raises(ValueError) as error:
+        models.load_model("smollm2-135m", device="cpu", dtype="bf16")
+    message = str(error.value)
+    assert "dtype='bf16'" in message and "device cpu" in message and "['float32', 'float16']" in message
+
+
+def test_available_dtypes_always_offers_float32():
+    assert models.available_dtypes(torch.device("cpu"))[0] == "float32"

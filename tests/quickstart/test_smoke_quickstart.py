@@ -39,3 +39,20 @@ def test_goal_rows_state_one_speed_goal_per_batch_and_the_identity_goal_on_smoke
         assert row["met"] == (row["value"] >= 1.0)
     identity = by_name["identical_greedy_rows"]
     assert (identity["value"], identity["op"], identity["target"], identity["met"]) == (True, "==", True, True)
+
+
+def test_every_throughput_row_names_its_dtype_and_the_memory_fraction_is_recorded_on_smoke(metrics, params):
+    dtypes = {r["dtype"] for r in metrics["throughput"]}
+    assert dtypes == set(params["dtypes"] or ["float32"])  # the cpu default dtype without a sweep
+    assert set(metrics["memory_fraction_b1"]) == dtypes and all(v > 0 for v in metrics["memory_fraction_b1"].values())
+    assert all(v > 0 for v in metrics["bandwidth_GBps"].values())
+    for row in metrics["throughput_by_dtype"]:
+        assert row["ours_flop_per_byte"] > 0 and row["ours_step_ms"] > 0
+
+
+def test_verify_table_pads_each_width_up_never_down_on_smoke(metrics, params):
+    rows = metrics["verify_widths"]
+    assert [r["tokens"] for r in rows] == list(range(1, params["verify_max_width"] + 1))
+    assert all(r["tokens"] <= r["width"] <= params["verify_max_width"] for r in rows)
+    by_name = {row["name"]: row for row in metrics["goals"]}
+    assert by_name["verify_worst_dip"]["value"] == pytest.approx(metrics["verify_worst_dip"])

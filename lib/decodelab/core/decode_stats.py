@@ -45,3 +45,4 @@ class GenerationResult:
     stats: DecodeStats
     finished: list[bool]  # whether each row stopped on EOS
     logprobs: list[float] | None = None  # per row: sum of log p(token) under the model's raw logits
+    compile: dict | None = None  # with compile=True: StaticStep.status() (compiled or why not), for env.json

@@ -19,7 +19,9 @@ import torch
 from decodelab.core.decode_stats import DecodeStats, GenerationResult
 from decodelab.core.kv_cache import KVCache
 from decodelab.core.sampling import argmax_rows
+from decodelab.core.static_step import static_step_for
 from decodelab.core.transformer import Transformer
+from decodelab.core.verify_width import pad_tokens, padded_width
 
 
 def as_transformer(model) -> Transformer:
@@ -28,7 +30,7 @@ def as_transformer(model) -> Transformer:
 
 
 def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
+    if device.type == "cuda":  # CPU ops are synchronous
         torch.cuda.synchronize(device)
 
 
@@ -85,13 +87,23 @@ def decode_step(model, cache: KVCache, tokens: torch.Tensor, *, layers=None) -> 
     return extend(model, cache, tokens[:, None], layers=layers, logits_at="all")[:, 0]
 
 
-def verify_step(model, cache: KVCache, tokens: torch.Tensor, *, layers=None, return_hidden: bool = False):
+def verify_step(model, cache: KVCache, tokens: torch.Tensor, *, layers=None, return_hidden: bool = False,
+                widths: dict[int, int] | None = None):
     """Append T tokens per row and score each: tokens (B, T) -> logits (B, T, V).
 
     logits[:, t] is the distribution after tokens[:, :t+1]. Every row advances by T; the caller rolls
-    rejected positions back with `cache.truncate`.
+    rejected positions back with `cache.truncate`. widths: a calibrated {T: W} table (`core.verify_width`):
+    run the forward padded to the cheaper width W >= T (same real logits and cache; plain KVCache only).
     """
-    return extend(model, cache, tokens, layers=layers, logits_at="all", return_hidden=return_hidden)
+    n_tokens, width = tokens.shape[1], padded_width(tokens.shape[1], widths, cache)
+    if width == n_tokens:
+        return extend(model, cache, tokens, layers=layers, logits_at="all", return_hidden=return_hidden)
+    n_new = torch.full((tokens.shape[0],), n_tokens, dtype=torch.long, device=tokens.device)
+    _, hidden = extend(model, cache, pad_tokens(tokens, width), n_new=n_new, layers=layers, logits_at="none",
+                       return_hidden=True)
+    hidden = hidden[:, :n_tokens]  # the padded positions never reach the LM head
+    logits = as_transformer(model).unembed(hidden)
+    return (logits, hidden) if return_hidden else logits
 
 
 def validate_generation_args(prompts, max_new_tokens: int) -> None:
@@ -170,7 +182,8 @@ class TokenLoop:
     in the next forward with them.
     """
 
-    def __init__(self, model, prompts, *, max_new_tokens: int, eos_token_ids, sampler=None, generator=None):
+    def __init__(self, model, prompts, *, max_new_tokens: int, eos_token_ids, sampler=None, generator=None,
+                 static_step=None, widths=None):
         self.model, self.tr = model, as_transformer(model)
         self.prompts = [list(p) for p in prompts]
         self.batch = len(prompts)
@@ -187,6 +200,8 @@ class TokenLoop:
         self.done, self.finished = [False] * self.batch, [False] * self.batch
         self.cache = None
         self.forward_s: list[float] = []
+        self.static_step = static_step  # a core.static_step.StaticStep for "step" feeds on a plain KVCache
+        self.widths = widths  # a calibrated {T: W} table for "all" feeds (see verify_step)
 
     @property
     def device(self) -> torch.device:
@@ -255,8 +270,12 @@ class TokenLoop:
         start = time.perf_counter()
         if feed.mode == "last":
             logits, hidden = extend_last(self.tr, self.cache, feed.tokens, feed.n_new), None
+        elif feed.mode == "step" and self.static_step is not None and type(self.cache) is KVCache \
+                and not feed.return_hidden:
+            logits, hidden = self.static_step(self.cache, feed.tokens[:, 0]), None
         elif feed.mode in ("step", "all"):
-            out = extend(self.tr, self.cache, feed.tokens, logits_at="all", return_hidden=feed.return_hidden)
+            out = verify_step(self.tr, self.cache, feed.tokens, return_hidden=feed.return_hidden,
+                              widths=self.widths if feed.mode == "all" else None)
             logits, hidden = out if feed.return_hidden else (out, None)
             logits = logits[:, 0] if feed.mode == "step" else logits
         else:
@@ -269,9 +288,12 @@ class TokenLoop:
 @torch.no_grad()
 def run_loop(model, prompts: list[list[int]], policy: LoopPolicy, *, max_new_tokens: int, stats: DecodeStats,
              eos_token_ids: list[int] | None = None, sampler=None, generator=None, prefilled=None,
-             progress: bool = False, desc: str = "decode") -> TokenLoop:
+             progress: bool = False, desc: str = "decode", compile: bool = False, widths=None) -> TokenLoop:
     """THE token loop: prefill -> policy.first -> [feed -> forward -> accept -> record] until every row is done.
 
+    compile: one-token "step" feeds on a plain KVCache run the static-shape step (`core.static_step`),
+    compiled with torch.compile; where no compiler works, a warning and the same step eagerly
+    (`loop.static_step.status()` records which ran). widths: a {T: W} table for verify ("all") feeds.
     prefilled: (cache, last_logits (B, V)) from the caller's own prefill (its time is the caller's).
     eos_token_ids: tokens that end a row (default: the model's; [] = never stop early). Fills stats.prefill_s
     (prefill + first pick), stats.step_s (one per forward, top to bottom) and stats.new_tokens.
@@ -279,8 +301,9 @@ def run_loop(model, prompts: list[list[int]], policy: LoopPolicy, *, max_new_tok
     validate_generation_args(prompts, max_new_tokens)
     if eos_token_ids is None:
         eos_token_ids = getattr(model, "eos_token_ids", None) or []
+    static_step = static_step_for(as_transformer(model), compile=True) if compile else None
     loop = TokenLoop(model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, sampler=sampler,
-                     generator=generator)
+                     generator=generator, static_step=static_step, widths=widths)
     synchronize(loop.device)
     start = time.perf_counter()
     if prefilled is None:
@@ -340,7 +363,7 @@ class SamplePolicy(PolicyBase):
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampler=None, generator=None,
              eos_token_ids: list[int] | None = None, progress: bool = False, prefilled=None,
-             return_logprobs: bool = False) -> GenerationResult:
+             return_logprobs: bool = False, compile: bool = False) -> GenerationResult:
     """Batched decoding of ragged prompts with a KV cache (`run_loop` with a `SamplePolicy`).
 
     sampler: a `decodelab.core.sampling.Sampler` (None = greedy argmax); generator: torch.Generator or a list
@@ -350,14 +373,18 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampl
     prefilled: (cache, last_logits (B, V)) from the caller's own prefill (e.g. a shared-prefix cache with
     room for max_new_tokens); the prompts then only count prompt tokens and the caller times the prefill.
     return_logprobs: also sum each row's log softmax(logits)[token] over its tokens.
+    compile: decode steps through the compiled static-shape step (see `run_loop`); result.compile says
+    whether it compiled (for env.json).
     """
     validate_generation_args(prompts, max_new_tokens)
     stats = DecodeStats(batch_size=len(prompts), prompt_tokens=sum(len(p) for p in prompts))
     policy = SamplePolicy(return_logprobs)
     loop = run_loop(model, prompts, policy, max_new_tokens=max_new_tokens, stats=stats, eos_token_ids=eos_token_ids,
-                    sampler=sampler, generator=generator, prefilled=prefilled, progress=progress)
+                    sampler=sampler, generator=generator, prefilled=prefilled, progress=progress, compile=compile)
     logprobs = policy.row_logprobs(loop) if return_logprobs else None
-    return GenerationResult(tokens=loop.tokens, stats=stats, finished=loop.finished, logprobs=logprobs)
+    status = loop.static_step.status() if loop.static_step is not None else None
+    return GenerationResult(tokens=loop.tokens, stats=stats, finished=loop.finished, logprobs=logprobs,
+                            compile=status)
 
 
 def chosen_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

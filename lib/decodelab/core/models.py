@@ -87,15 +87,41 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+def dtype_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `device` runs `dtype`: fp32 and fp16 everywhere (fp16 on CPU is emulated where the CPU lacks
+    it, slow but exact); bf16 only on CUDA that supports it and on CPUs with oneDNN bf16 (AVX512-BF16 /
+    AMX) -- elsewhere torch would emulate it at a fraction of fp32's speed, which no benchmark should report."""
+    if dtype != torch.bfloat16:
+        return True
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    from decodelab.core.packed_linear import bf16_packing_available
+
+    return bf16_packing_available(device)
+
+
+def available_dtypes(device: torch.device) -> list[str]:
+    """The dtype names this device supports natively, e.g. ["float32", "bfloat16"]."""
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    return [name for name, dtype in names.items() if dtype_supported(dtype, device)]
+
+
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """None -> the device's default; a name ("bfloat16", "bf16", ...) or a floating torch.dtype -> itself."""
+    """None -> the device's default; a name ("bfloat16", "bf16", ...) or a floating torch.dtype -> itself,
+    checked to be supported by `device` (a bf16 model on a CPU without bf16 units would crawl)."""
     if dtype is None:
         return default_dtype(device)
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
-        return DTYPES[dtype.removeprefix("torch.")]
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    raise ValueError(f"dtype={dtype!r} is not supported; allowed: {sorted(DTYPES)} or torch.float32/bfloat16/float16")
+        resolved = DTYPES[dtype.removeprefix("torch.")]
+    elif isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        resolved = dtype
+    else:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {sorted(DTYPES)} or "
+                         "torch.float32/bfloat16/float16")
+    if not dtype_supported(resolved, device):
+        raise ValueError(f"dtype={dtype!r} is not supported on device {device} of this machine; available "
+                         f"there: {available_dtypes(device)}")
+    return resolved
 
 
 def cache_problem(target: Path) -> str | None:

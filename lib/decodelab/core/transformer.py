@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from decodelab.core.kv_cache import AttentionCache, ForwardPlan, KVCache
+from decodelab.core.packed_linear import PackedLinears, bf16_packing_available
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -63,7 +64,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Transformer(torch.nn.Module):
     """A decode forward over a transformers causal LM's modules (Llama, Qwen2/3, Mistral layouts)."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, *, pack_bf16: bool | None = None):
+        """pack_bf16: run bf16 linear layers through once-packed oneDNN weights (see `core.packed_linear`);
+        None = whenever the model is bf16 on a CPU that supports it (outputs are bit-identical either way)."""
         super().__init__()
         config = hf_model.config
         check_supported(config)
@@ -81,10 +84,13 @@ class Transformer(torch.nn.Module):
         self.head_dim = head_dim_of(config)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
+        if pack_bf16 is None:
+            pack_bf16 = self.dtype == torch.bfloat16 and bf16_packing_available(self.device)
+        self.linear = PackedLinears(pack_bf16)
 
     @classmethod
-    def from_hf(cls, hf_model) -> "Transformer":
-        return cls(hf_model)
+    def from_hf(cls, hf_model, **options) -> "Transformer":
+        return cls(hf_model, **options)
 
     @property
     def device(self) -> torch.device:
@@ -106,9 +112,9 @@ class Transformer(torch.nn.Module):
                    plan: ForwardPlan) -> torch.Tensor:
         attn = layer.self_attn
         batch, n_new, _ = x.shape
-        q = attn.q_proj(x).view(batch, n_new, self.n_heads, self.head_dim)
-        k = attn.k_proj(x).view(batch, n_new, self.n_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(batch, n_new, self.n_kv_heads, self.head_dim)
+        q = self.linear(attn.q_proj, x).view(batch, n_new, self.n_heads, self.head_dim)
+        k = self.linear(attn.k_proj, x).view(batch, n_new, self.n_kv_heads, self.head_dim)
+        v = self.linear(attn.v_proj, x).view(batch, n_new, self.n_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3 normalizes q and k per head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -116,7 +122,19 @@ class Transformer(torch.nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = cache.attend(slot, q, k, v, plan)
-        return attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
+        return self.linear(attn.o_proj, out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
+
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP exactly as transformers' LlamaMLP computes it: down(act(gate(x)) * up(x))."""
+        return self.linear(mlp.down_proj, mlp.act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
+
+    def unembed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden (..., E) -> logits (..., V) in float32.
+
+        The LM head runs in the weights' dtype (a bf16 kernel accumulates in fp32 and rounds its output to
+        bf16, as transformers' bf16 forward does, so greedy ties break the same way); the logits are
+        returned in fp32 so softmax, log-probs and samplers work in fp32."""
+        return self.linear(self.lm_head, hidden).float()
 
     def hidden_states(self, tokens: torch.Tensor, cache: AttentionCache, *, layers=None) -> torch.Tensor:
         """Run the decoder stack (or the `layers` subset) on tokens: (B, T) -> final-normed (B, T, E).
@@ -131,7 +149,7 @@ class Transformer(torch.nn.Module):
         for slot, index in enumerate(layer_ids):
             layer = self.layers[index]
             x = x + self._attention(layer, slot, layer.input_layernorm(x), cos, sin, cache, plan)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return self.final_norm(x)
 
     @torch.no_grad()
@@ -149,10 +167,10 @@ class Transformer(torch.nn.Module):
         hidden = self.hidden_states(tokens, cache, layers=layers)
         cache.advance(n_new)
         if logits_at == "all":
-            logits = self.lm_head(hidden)
+            logits = self.unembed(hidden)
         elif logits_at == "last":
             last = hidden[torch.arange(batch, device=hidden.device), n_new - 1]
-            logits = self.lm_head(last)
+            logits = self.unembed(last)
         elif logits_at == "none":
             logits = None
         else:

@@ -9,9 +9,10 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """(B, V) probabilities, (B,) uniforms in [0, 1) -> (B,) long: smallest i with cdf_i > u * total.
 
     The cumulative sum runs in token-id order. This is the draw of the draft tokens (drafters) and of the
-    residual at a rejection, and it is not `core.sampling.sample_inverse_cdf`, which ranks tokens by
-    probability and reads 1 - u (so u near 0 picks the most probable token): the same uniform picks a
-    different token under the two, so merging them would change every sampled speculative run.
+    residual at a rejection, and it is not `core.sampling.sample_inverse_cdf`, which puts the row's argmax
+    first and then the other tokens in vocabulary order (so u near 0 picks the most probable token): the
+    same uniform picks a different token under the two, so merging them would change every sampled
+    speculative run.
     """
     cdf = probs.cumsum(-1)
     target = (u * cdf[:, -1]).unsqueeze(-1)
