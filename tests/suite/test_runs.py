@@ -240,3 +240,14 @@ def test_relative_path_overrides_resolve_from_the_callers_directory(tmp_path, mo
     out = runner.absolute_paths({"schemas_file": "mine.json", "model": "mine.json", "tasks_file": "absent.json"})
     assert out["schemas_file"] == str((tmp_path / "mine.json").resolve())
     assert out["model"] == "mine.json" and out["tasks_file"] == "absent.json"
+
+
+def test_log_env_merges_run_facts_into_env_json_and_keeps_the_rest(tmp_path):
+    run = runs.start("quickstart", output_dir=tmp_path / "run", namespace={})
+    before = json.loads((run.dir / "env.json").read_text())
+    run.log_env(compile={"requested": True, "compiled": False, "reason": "no compiler"})
+    facts = run.log_env(verify_widths={1: 1, 2: 4})
+    env = json.loads((run.dir / "env.json").read_text())
+    assert facts == env["run_facts"] == {"compile": {"requested": True, "compiled": False, "reason": "no compiler"},
+                                         "verify_widths": {"1": 1, "2": 4}}
+    assert {k: v for k, v in env.items() if k != "run_facts"} == before

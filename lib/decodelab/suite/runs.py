@@ -83,6 +83,15 @@ class Run:
         write_json(self.dir / "metrics.json", merged)
         return merged
 
+    def log_env(self, **facts) -> dict:
+        """Merge facts about how the run executed into env.json["run_facts"] (e.g. compile=status from
+        `static_step_for(...).status()`, the verify-width calibration used); returns them all."""
+        env_path = self.dir / "env.json"
+        env = read_json(env_path, {})
+        env["run_facts"] = {**env.get("run_facts", {}), **to_jsonable(facts)}
+        write_json(env_path, env, strict=False)
+        return env["run_facts"]
+
     def log_goals(self, rows) -> list:
         """Merge goal rows (`decodelab.common.goals.Goal`) into metrics.json["goals"] by name; returns all goals."""
         from decodelab.common import goals
