@@ -24,6 +24,8 @@ class ForwardPlan:
 
     positions (B, T): RoPE positions of the new tokens; slots (B, T): where their keys/values are written;
     span: key positions [0, span) the layers read; visible (B, T, S=span) bool: query t of row b sees key j.
+    gather (B, S) long or None: a sparse plan reads, per row, only the cache positions gather[b] (key j of
+    `visible` is then cache position gather[b, j]); None reads positions [0, span).
     The grouped-query mask (B, 1, G*T, S) is built once per group size G and then reused by every layer.
     """
 
@@ -31,6 +33,7 @@ class ForwardPlan:
     slots: torch.Tensor
     span: int
     visible: torch.Tensor
+    gather: torch.Tensor | None = None
     _grouped: dict = field(default_factory=dict, repr=False)
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -38,6 +41,20 @@ class ForwardPlan:
         if group not in self._grouped:
             self._grouped[group] = grouped_mask(self.visible, group)
         return self._grouped[group]
+
+    def attention_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """(B, 1, G*T, S) additive mask (0 where visible, -inf where not) in the queries' dtype, or None when
+        every query sees every key of the span, built once per forward and shared by every layer.
+
+        Why not the bool mask: SDPA turns a bool mask into exactly this additive one with a `where` on every
+        call, i.e. once per layer (30 per forward); and an all-visible mask (a decode step of rows with equal
+        lengths) is better left out: SDPA without a mask gives the same output (adding 0.0 changes no score)
+        and skips reading the mask."""
+        key = ("bias", group, dtype)
+        if key not in self._grouped:
+            mask = self.grouped_mask(group)
+            self._grouped[key] = None if bool(mask.all()) else additive_bias(mask, dtype)
+        return self._grouped[key]
 
 
 @runtime_checkable
@@ -157,8 +174,8 @@ class KVCache:
         keys[rows, :, plan.slots] = k_new.transpose(1, 2)
         values[rows, :, plan.slots] = v_new.transpose(1, 2)
         span = plan.span
-        mask = plan.grouped_mask(q.shape[1] // keys.shape[1])
-        return grouped_attention_masked(q, keys[:, :, :span], values[:, :, :span], mask)
+        bias = plan.attention_bias(q.shape[1] // keys.shape[1], q.dtype)
+        return grouped_attention_masked(q, keys[:, :, :span], values[:, :, :span], bias)
 
 
 def grouped_mask(visible: torch.Tensor, group: int) -> torch.Tensor:
@@ -168,11 +185,17 @@ def grouped_mask(visible: torch.Tensor, group: int) -> torch.Tensor:
     return mask.repeat(1, 1, group, 1) if group > 1 else mask
 
 
+def additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask -> the same shape in `dtype`: 0 where True, -inf where False (what SDPA adds to the scores)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def grouped_attention_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                             mask: torch.Tensor) -> torch.Tensor:
+                             mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention with a mask already folded by `grouped_mask`.
 
-    q: (B, H, T, D); keys, values: (B, K, S, D); mask: (B, 1, G*T, S) bool -> (B, H, T, D).
+    q: (B, H, T, D); keys, values: (B, K, S, D); mask: (B, 1, G*T, S) bool, or the same additive in q's
+    dtype (`additive_bias`), or None (every key visible) -> (B, H, T, D).
     The H/K query heads sharing one KV head are folded into the query axis, so each KV head is read once.
     """
     batch, n_heads, n_new, head_dim = q.shape
@@ -189,3 +212,83 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     q: (B, H, T, D); keys, values: (B, K, S, D); visible: (B, T, S) -> (B, H, T, D).
     """
     return grouped_attention_masked(q, keys, values, grouped_mask(visible, q.shape[1] // keys.shape[1]))
+
+
+def check_sink_window(sink: int, window: int, context: int | None = None) -> None:
+    """ValueError unless sink >= 0 and window >= 1 are ints and (given a context) sink + window <= context:
+    a sparse view as wide as the context is just the full cache."""
+    for name, value, low in (("sink", sink, 0), ("window", window, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    if context is not None and sink + window > context:
+        raise ValueError(f"sink={sink} + window={window} = {sink + window} positions is larger than the context "
+                         f"({context} tokens, the shortest prompt): allowed sink + window <= {context}")
+
+
+def sink_window_gather(slots: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """The cache positions a sink + window forward reads: (B, T) slots -> (B, N) long, N = sink + window + T - 1.
+
+    Row b reads the sink [0, sink) and then the window+T-1 positions ending at its last slot (starting no
+    earlier than `sink`, so the two parts never overlap). In a row shorter than sink + window some positions lie
+    past its last slot: `sink_window_visible` hides them (clamp them into the cache before gathering)."""
+    n_new = slots.shape[1]
+    start = torch.clamp(slots[:, :1] - window + 1, min=sink)  # (B, 1)
+    recent = start + torch.arange(window + n_new - 1, device=slots.device)
+    sinks = torch.arange(sink, device=slots.device).expand(slots.shape[0], sink)
+    return torch.cat([sinks, recent], dim=1)
+
+
+def sink_window_visible(gather: torch.Tensor, slots: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """(B, N) gathered positions, (B, T) slots -> (B, T, N) bool: query t of row b sees gathered key c iff its
+    position j <= slots[b, t] and (j < sink, or j is among the `window` latest positions: slots[b, t] - j < window).
+    (StreamingLLM's attention sinks + sliding window, Xiao et al. 2024.)"""
+    j, s = gather[:, None, :], slots[:, :, None]
+    return (j <= s) & ((j < sink) | (s - j < window))
+
+
+class SinkWindowKVCache(KVCache):
+    """A per-row KV cache whose forwards attend only to the sink + window positions of each row (a sparse
+    visibility plan): every position is stored (rollback is still `truncate`), but a forward gathers and reads
+    only N = sink + window + T - 1 positions per row, so its attention cost does not grow with the context.
+
+    `sparse = False` makes it an ordinary causal cache (used to prefill the exact full-attention KV)."""
+
+    def __init__(self, *args, sink: int, window: int, **kwargs):
+        check_sink_window(sink, window)
+        super().__init__(*args, **kwargs)
+        self.sink, self.window, self.sparse = sink, window, True
+
+    @classmethod
+    def adopt(cls, cache: KVCache, *, sink: int, window: int) -> "SinkWindowKVCache":
+        """Wrap an existing cache's tensors (no copy) as a sink + window cache."""
+        check_sink_window(sink, window)
+        out = cls.__new__(cls)
+        out.keys, out.values, out.lengths, out._rows = cache.keys, cache.values, cache.lengths, cache._rows
+        out.sink, out.window, out.sparse = sink, window, True
+        return out
+
+    def begin_forward(self, positions: torch.Tensor, group: int = 1) -> ForwardPlan:
+        if not self.sparse:
+            return super().begin_forward(positions, group)
+        span = int(positions[:, -1].max()) + 1
+        if span > self.max_len:
+            raise ValueError(f"KV cache overflow: need {span} positions, max_len={self.max_len}")
+        read = sink_window_gather(positions, self.sink, self.window)
+        plan = ForwardPlan(positions=positions, slots=positions, span=read.shape[1],
+                           visible=sink_window_visible(read, positions, self.sink, self.window),
+                           gather=read.clamp(max=self.max_len - 1))
+        plan.grouped_mask(group)
+        return plan
+
+    def attend(self, slot: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               plan: ForwardPlan) -> torch.Tensor:
+        gather = plan.gather
+        if gather is None:
+            return super().attend(slot, q, k_new, v_new, plan)
+        keys, values = self.keys[slot], self.values[slot]
+        rows = self._rows[:, None]
+        keys[rows, :, plan.slots] = k_new.transpose(1, 2)
+        values[rows, :, plan.slots] = v_new.transpose(1, 2)
+        index = gather[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])  # (B, K, N, D)
+        bias = plan.attention_bias(q.shape[1] // keys.shape[1], q.dtype)
+        return grouped_attention_masked(q, keys.gather(2, index), values.gather(2, index), bias)

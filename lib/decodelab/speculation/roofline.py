@@ -122,6 +122,7 @@ SHAPES = {
     "Qwen2.5-7B": ModelShape("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064),
     "Qwen2.5-0.5B": ModelShape("Qwen2.5-0.5B", 24, 896, 14, 2, 64, 4864, 151936, tied_embeddings=True),
     "Llama-3-70B": ModelShape("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
+    "Llama-3-8B": ModelShape("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
     "Llama-3.2-1B": ModelShape("Llama-3.2-1B", 16, 2048, 32, 8, 64, 8192, 128256, tied_embeddings=True),
 }
 
