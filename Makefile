@@ -7,7 +7,7 @@ PROFILE ?= cpu
 NOTEBOOKS ?= $(shell $(PY) -m decodelab list --names 2>/dev/null)
 STAMP := $(VENV)/.installed
 
-.PHONY: all setup lint test test-fast lab report findings bench clean
+.PHONY: all setup lint test test-fast lab report findings bench clean mtp-checkpoint
 all: setup
 	@test -n "$(NOTEBOOKS)" || { echo "make all: no notebooks (is $(PY) set up? try make setup)" >&2; exit 1; }
 	@for nb in $(NOTEBOOKS); do \
@@ -49,6 +49,10 @@ findings: setup
 
 bench: setup
 	$(PY) -m decodelab bench decode
+
+# the shipped retrofit MTP module (checkpoints/mtp/): trains only if its record does not match; resumes if interrupted
+mtp-checkpoint: setup
+	$(PY) -m decodelab train-mtp
 
 clean:
 	rm -rf $(VENV) build lib/*.egg-info .pytest_cache

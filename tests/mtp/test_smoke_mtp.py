@@ -10,7 +10,8 @@ NAME = "mtp"  # the notebook whose smoke run the `metrics` fixture reads (tests/
 GRAD_TOLERANCE = 1e-5  # max |g_sequential - g_joint|: float32 summation-order noise, nothing more
 STATED_GOALS = {"step_time_ratio", "peak_mem_ratio", "retrofit_head2_acceptance_gloeckle",
                 "retrofit_head2_acceptance_deepseek", "retrofit_speedup_b1_gloeckle", "retrofit_speedup_b1_deepseek",
-                "retrofit_tau_3_positions", "self_spec_greedy_identical"}
+                "retrofit_tau_3_positions", "self_spec_greedy_identical", "module_pos1_acceptance_code_edit",
+                "module_speedup_b1_code_edit", "module_tau_3_positions", "module_train_minutes"}
 
 
 def test_one_head_loss_equals_next_token_loss_on_smoke(metrics):
@@ -67,3 +68,13 @@ def test_self_spec_caption_counts_the_identical_rows_on_smoke(smoke_runs, metric
     captions = json.loads((smoke_runs("mtp") / "figures" / "captions.json").read_text())
     same, total = metrics["self_spec_rows_identical"]
     assert f"{same}/{total} decoded rows identical" in captions["self_spec_tau"]
+
+
+def test_shipped_module_keeps_next_token_logits_and_greedy_output_on_smoke(metrics):
+    assert metrics["retrofit_module_frozen_logits_identical"] is True
+    rows = metrics["retrofit_module_drafting"]
+    assert {row["drafter"] for row in rows} == {"mtp", "ngram", "layer_skip"}
+    assert all(row["greedy_match"] is True and row["tau"] >= 1.0 for row in rows)
+    assert metrics["retrofit_module_greedy_match"] is True
+    module = metrics["retrofit_module"]
+    assert module["source"] == "shipped" and module["problems"] == []  # the shipped record matches the default spec

@@ -43,21 +43,55 @@ def save_checkpoint(model: MTPModel, directory: str | Path, *, retrofit_model: s
     return directory
 
 
-def load_checkpoint(directory: str | Path, *, device: str | torch.device | None = None, trunk=None) -> MTPModel:
+def check_trunk_matches(directory: Path, meta: dict, trunk) -> None:
+    """Refuse a trunk other than the one the heads were trained on: vocabulary (tokenizer) and width must match."""
+    saved = meta.get("trunk_config") or {}
+    have = trunk.config
+    for key in ("vocab_size", "hidden_size", "num_key_value_heads", "num_attention_heads"):
+        if key in saved and saved[key] != getattr(have, key):
+            raise ValueError(
+                f"{directory / 'heads.safetensors'} holds heads for {meta.get('retrofit_model')!r} "
+                f"({key}={saved[key]}), but the trunk given has {key}={getattr(have, key)}: another model or "
+                "tokenizer (allowed: the model the checkpoint names)")
+
+
+def load_weights(module, path: Path, meta: dict) -> None:
+    """safetensors weights into module, with a clear error for a missing, corrupted or half-written file."""
+    from safetensors.torch import load_model as load_safetensors
+
+    if not path.exists():
+        raise ValueError(f"{path} is missing (the checkpoint directory has mtp_config.json but no weights)")
+    try:
+        load_safetensors(module, str(path))
+    except Exception as error:  # safetensors raises its own error types for truncated or foreign files
+        raise ValueError(f"{path} could not be read as the weights of {meta.get('mtp')} "
+                         f"({type(error).__name__}: {error}); it is corrupted or half-written: retrain it") from error
+
+
+def load_checkpoint(directory: str | Path, *, device: str | torch.device | None = None, trunk=None,
+                    n_heads: int | None = None) -> MTPModel:
     """Rebuild an MTPModel from `save_checkpoint`'s directory.
 
     A retrofit checkpoint needs its frozen trunk: pass `trunk` (a LlamaForCausalLM), else the model
     named in the checkpoint (`retrofit_model`) is loaded with `decodelab.core.models.load_model`.
+    n_heads: the heads the caller needs (None = what the file holds); more than it holds is an error naming
+    the file. A trunk of another vocabulary or width, or an unreadable weights file, is refused the same way.
     """
-    from safetensors.torch import load_model as load_safetensors
     from transformers import LlamaConfig, LlamaForCausalLM
 
     directory = Path(directory)
     meta_path = directory / "mtp_config.json"
     if not meta_path.exists():
         raise ValueError(f"checkpoint_dir={str(directory)!r} has no mtp_config.json (not an MTP checkpoint)")
-    meta = json.loads(meta_path.read_text())
-    config = MTPConfig(**meta["mtp"])
+    try:
+        meta = json.loads(meta_path.read_text())
+        config = MTPConfig(**meta["mtp"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{meta_path} is not a readable MTP config ({error}): corrupted or half-written") from error
+    if n_heads is not None and n_heads > config.n_heads:
+        raise ValueError(f"n_heads={n_heads} asked of {meta_path}, which holds n_heads={config.n_heads} "
+                         f"({config.n_heads - 1} {config.style} head(s) besides the LM head); "
+                         f"allowed: <= {config.n_heads}")
     if meta["frozen_trunk"]:
         if trunk is None:
             from decodelab.core.models import load_model
@@ -66,14 +100,15 @@ def load_checkpoint(directory: str | Path, *, device: str | torch.device | None 
                 raise ValueError(f"checkpoint_dir={str(directory)!r} is a retrofit checkpoint that names no "
                                  "retrofit_model: pass trunk= (the frozen LlamaForCausalLM its heads sit on)")
             trunk = load_model(meta["retrofit_model"], device=device, dtype=torch.float32).hf_model
+        check_trunk_matches(directory, meta, trunk)
         model = MTPModel(trunk, config, frozen_trunk=True)
-        load_safetensors(model.heads, str(directory / "heads.safetensors"))
+        load_weights(model.heads, directory / "heads.safetensors", meta)
     else:
         trunk_config = {k: v for k, v in meta["trunk_config"].items()
                         if k not in ("architectures", "transformers_version")}
         trunk = LlamaForCausalLM(LlamaConfig(**trunk_config))
         model = MTPModel(trunk, config)
-        load_safetensors(model, str(directory / "model.safetensors"))
+        load_weights(model, directory / "model.safetensors", meta)
     if device is not None:
         model.to(device)
     return model.eval()

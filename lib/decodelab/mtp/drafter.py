@@ -31,18 +31,26 @@ class MTPDrafter:
     which the speculative policy on the engine's loop fills for `needs_hidden` drafters, give them that.
     A loop that sets only `ctx.last_hidden` makes the drafter observe that one position per step:
     proposals stay valid, but the heads' context has gaps and acceptance drops.
-    DeepSeek modules draft with depth 1 only (module 2 would need an unverified draft as input).
+    DeepSeek modules draft with depth 1 only (module 2 would need an unverified draft as input), unless
+    `reuse=True` (one module, as DeepSeek-V3 ships it and vLLM reuses it): draft d then feeds the next step,
+    EAGLE-style, as position p + d: input [RMSNorm(s^(d)); RMSNorm(Emb(draft_d))] with the module's own state
+    standing in for the target's unknown one, attending over the verified positions' cache plus the chain
+    (written past the cache's length, so the next `observe` overwrites it: nothing to roll back).
     """
 
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, model: MTPModel):
+    def __init__(self, model: MTPModel, *, reuse: bool = False):
         if model.n_heads < 2:
             raise ValueError(f"n_heads={model.n_heads} has no extra head to draft with (needs >= 2)")
         if model.config.style == "deepseek" and model.n_heads > 2:
             raise ValueError(f"mtp_style='deepseek' drafts with depth 1 only; got n_heads={model.n_heads} (allowed: 2)")
+        if reuse and model.config.style != "deepseek":
+            raise ValueError(f"reuse=True chains one DeepSeek module; mtp_style={model.config.style!r} has "
+                             "independent heads (allowed: reuse=False)")
         self.model = model
+        self.reuse = reuse
         self.cache = None
         self._last = None
         self._fed = False
@@ -51,7 +59,9 @@ class MTPDrafter:
         from decodelab.core.kv_cache import KVCache
 
         tc = self.model.trunk.config
-        self.cache = KVCache(len(self.model.heads), len(prompts), tc.num_key_value_heads, head_dim_of(tc), max_len,
+        room = 16 if self.reuse else 0  # the chained drafts are written past the verified positions
+        self.cache = KVCache(len(self.model.heads), len(prompts), tc.num_key_value_heads, head_dim_of(tc),
+                             max_len + room,
                              dtype=self.model.trunk.dtype, device=self.model.device)
         self._last, self._fed = None, False
 
@@ -99,14 +109,18 @@ class MTPDrafter:
             ones = torch.ones(ctx.batch_size, dtype=torch.long, device=self.model.device)
             self.observe(ctx.last_hidden[:, None].to(self.model.trunk.dtype), ones, pending[:, None])
         self._fed = False
-        logits = self.model.unembed(self._last, 2).float()  # (n_heads - 1, B, V)
-        n_real = min(k, logits.shape[0])
-        probs = None
-        if ctx.sampler is None:
-            tokens = logits[:n_real].argmax(-1).T  # (B, n_real)
+        if self.reuse:
+            tokens, probs = self._chain(ctx, k)
+            n_real = k
         else:
-            tokens = torch.stack([ctx.sampler.sample(logits[i], ctx.generator) for i in range(n_real)], dim=1)
-            probs = torch.stack([ctx.sampler.probs(logits[i]) for i in range(n_real)], dim=1)
+            logits = self.model.unembed(self._last, 2).float()  # (n_heads - 1, B, V)
+            n_real = min(k, logits.shape[0])
+            probs = None
+            if ctx.sampler is None:
+                tokens = logits[:n_real].argmax(-1).T  # (B, n_real)
+            else:
+                tokens = torch.stack([ctx.sampler.sample(logits[i], ctx.generator) for i in range(n_real)], dim=1)
+                probs = torch.stack([ctx.sampler.probs(logits[i]) for i in range(n_real)], dim=1)
         lengths = None
         if n_real < k:  # pad: verification rejects positions past `lengths`
             pad = tokens[:, -1:].expand(-1, k - n_real)
@@ -115,6 +129,31 @@ class MTPDrafter:
                 probs = torch.cat([probs, probs[:, -1:].expand(-1, k - n_real, -1)], dim=1)
             lengths = torch.full((tokens.shape[0],), n_real, dtype=torch.long, device=tokens.device)
         return DraftProposal(tokens=tokens, probs=probs, lengths=lengths)
+
+    def _pick(self, logits: torch.Tensor, ctx):
+        """logits (B, V) -> (token (B,), probs (B, V) or None): greedy, or the loop's sampler."""
+        if ctx.sampler is None:
+            return logits.argmax(-1), None
+        return ctx.sampler.sample(logits, ctx.generator), ctx.sampler.probs(logits)
+
+    def _chain(self, ctx, k: int):
+        """k drafts from the one module reused (see the class docstring): -> tokens (B, k), probs (B, k, V) | None."""
+        model, cache = self.model, self.cache
+        module, tc = model.heads[0], model.trunk.config
+        state = self._last[0]  # (B, D): the module's state at the last verified position
+        token, p = self._pick(model.unembed(state, 2).float(), ctx)
+        tokens, probs = [token], [p]
+        for depth in range(1, k):
+            positions = cache.lengths[:, None] + (depth - 1)  # (B, 1): p + depth
+            plan = cache.begin_forward(positions, group=tc.num_attention_heads // tc.num_key_value_heads)
+            x = module.combine(state[:, None], model.trunk.model.embed_tokens(token[:, None]))
+            cos, sin = model.trunk.model.rotary_emb(x, positions)
+            state = layer_step(module.block, x, cos[:, None].to(x.dtype), sin[:, None].to(x.dtype), cache, 0, plan,
+                               tc)[:, 0]
+            token, p = self._pick(model.unembed(state, 2).float(), ctx)
+            tokens.append(token)
+            probs.append(p)
+        return torch.stack(tokens, 1), None if ctx.sampler is None else torch.stack(probs, 1)
 
     def _following(self, tokens: list[list[int]], lengths: torch.Tensor, width: int) -> torch.Tensor:
         """(B, width) the token after each newly cached position: row b's last lengths[b] cached positions
@@ -135,10 +174,10 @@ class MTPDrafter:
         """Nothing to undo: the heads' cache only ever holds positions the target accepted."""
 
     def __repr__(self) -> str:
-        return f"MTPDrafter(style={self.model.config.style!r}, n_heads={self.model.n_heads})"
+        return f"MTPDrafter(style={self.model.config.style!r}, n_heads={self.model.n_heads}, reuse={self.reuse})"
 
 
-def load_mtp_drafter(checkpoint_dir, *, device=None, trunk=None) -> MTPDrafter:
+def load_mtp_drafter(checkpoint_dir, *, device=None, trunk=None, reuse: bool = False) -> MTPDrafter:
     """A checkpoint written by `decodelab.mtp.checkpoint.save_checkpoint` -> its heads as an `MTPDrafter`.
 
     From-scratch checkpoints carry their trunk (`drafter.target()` is the model to verify with);
@@ -146,4 +185,4 @@ def load_mtp_drafter(checkpoint_dir, *, device=None, trunk=None) -> MTPDrafter:
     """
     from decodelab.mtp.checkpoint import load_checkpoint
 
-    return MTPDrafter(load_checkpoint(checkpoint_dir, device=device, trunk=trunk))
+    return MTPDrafter(load_checkpoint(checkpoint_dir, device=device, trunk=trunk), reuse=reuse)

@@ -156,3 +156,55 @@ def summary(metrics: dict, goal_rows: list[Goal], *, scratch_params: dict | None
                      f"the retrofit cannot change it (frozen weights bit-identical after training: "
                      f"{format_value(identical)}).")
     return lines
+
+
+def _pct(value) -> str:
+    return format_value(value, "%")
+
+
+def module_claim(module: dict, rows: list[dict], *, category: str = "code_edit") -> list[str]:
+    """Sentences answering the brief's "can't retrofit" from the shipped module's numbers.
+
+    module: {"name", "source", "record"} (`decodelab.mtp.shipped.obtain_module`'s, record = record.json);
+    rows: `decodelab.mtp.draft_eval.drafter_rows` (drafters "mtp", "ngram", "layer_skip").
+    """
+    from decodelab.mtp.draft_eval import pick
+
+    record = module["record"]
+    spec = record["spec"]
+    lines = [f"Module {record['name']} ({module['source']}, sha256 {record['sha256'][:12]}...): one DeepSeek-style "
+             f"block on the frozen {record['model']}, trained {spec['steps']} steps by "
+             f"{'KL self-distillation' if spec['loss'] == 'kl' else 'plain next-token labels'} on "
+             f"{record['distill_set']['tokens']:,} tokens in {record['train_s'] / 60:.1f} min "
+             f"(+{record['data_s'] / 60:.1f} min for the frozen model's states; "
+             f"load average {record['load_average']})."]
+    batch1 = pick(rows, "batch", drafter="mtp", category=category)
+    acc = pick(rows, "acceptance", drafter="mtp", category=category) or []
+    tau = pick(rows, "tau", drafter="mtp", category=category)
+    speed = pick(rows, "speedup", drafter="mtp", category=category)
+    if tau is None:
+        return lines
+    positions = ", ".join(f"{_pct(a)}" for a in acc)
+    text = (f"On {category} at batch {batch1} it drafts k={len(acc)} tokens per step with acceptance {positions} "
+            f"at positions 1-{len(acc)}, tau {tau:.2f}, speedup {speed:.2f}x over plain greedy")
+    others = []
+    for name in ("ngram", "layer_skip"):
+        t = pick(rows, "tau", drafter=name, category=category)
+        s = pick(rows, "speedup", drafter=name, category=category)
+        if t is not None:
+            others.append(f"{name} tau {t:.2f}, {s:.2f}x")
+    lines.append(text + (f" ({'; '.join(others)})." if others else "."))
+    first = acc[0] if acc else None
+    if first is not None and first >= 0.60 and speed >= 1.3:
+        verdict = ("yes: a module trained after the fact on the model's own outputs drafts at DeepSeek's "
+                   "reused-module level and pays for itself")
+    elif first is not None and first >= 0.60:
+        verdict = ("partly: the acceptance is there, but at this size the module's own forward eats the gain")
+    elif speed is not None and speed >= 1.0:
+        verdict = "partly: it pays for itself, below the 60% acceptance DeepSeek's jointly trained module reaches"
+    else:
+        verdict = (f"not with this training budget: position-1 acceptance {_pct(first)} is below the 60% target and "
+                   "decoding is not faster; the frozen trunk's states were trained for one token only")
+    lines.append(f"Can MTP be retrofitted onto a model trained for one token? {verdict} (next-token output "
+                 "unchanged by construction: the trunk is frozen and greedy output is identical).")
+    return lines

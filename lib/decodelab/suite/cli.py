@@ -9,6 +9,7 @@
     decodelab bench sample [...]
     decodelab report [...]
     decodelab findings [...]
+    decodelab train-mtp [...]
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("bench", "benchmarks: `decodelab bench decode --help`, `decodelab bench sample --help`"),
         ("report", "build results/report/index.html from the latest runs"),
         ("findings", "regenerate the README's Findings section from the latest cpu runs"),
+        ("train-mtp", "train the retrofit MTP module on the frozen embedded model (resumable, cached): "
+                      "`decodelab train-mtp --help`"),
     ):
         delegated = sub.add_parser(name, help=text, add_help=False)
         delegated.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -225,8 +228,17 @@ def cmd_findings(args) -> int:
     return findings.main(args.args) or 0
 
 
-DELEGATED = ("bench", "report", "findings")
+TRAIN_MTP_ENTRY = "decodelab.mtp.shipped"  # named, not imported: suite imports no question package
+
+
+def cmd_train_mtp(args) -> int:
+    import importlib
+
+    return importlib.import_module(TRAIN_MTP_ENTRY).main(args.args) or 0
+
+
+DELEGATED = ("bench", "report", "findings", "train-mtp")
 COMMANDS = {
     "run": cmd_run, "list": cmd_list, "prepare": cmd_prepare,
-    "bench": cmd_bench, "report": cmd_report, "findings": cmd_findings,
+    "bench": cmd_bench, "report": cmd_report, "findings": cmd_findings, "train-mtp": cmd_train_mtp,
 }

@@ -1,0 +1,243 @@
+"""Self-distillation data for a retrofit MTP module: the frozen model's own text and its own next-token beliefs.
+
+The module is trained to predict what the *target* would say one token later, so its teacher is the
+target itself (FastMTP's self-distillation). Three kinds of sequence, all from shipped text:
+
+- code editing: a function from the stdlib's *training* split (`decodelab.mtp.data` splits by file), a
+  "rename it and output the updated code" request, and the expected edited code as the answer;
+- extraction: "copy the first sentences of this docstring exactly", with the copied sentences as the answer;
+- chat: writing prompts (data/writing_prompts.jsonl) with the model's own greedy continuation, generated in
+  batches through the engine's token loop (`decodelab.core.engine.generate`).
+
+The frozen trunk runs once over every block: its final-normed hidden states (N, T, D) and the top-k of its
+next-token distribution at each position (ids (N, T, K), log-probs (N, T, K)) are cached together with the
+tokens, keyed by a content hash of (model, data config, corpus hash, tokenizer), so training only runs the
+module and the frozen LM head. The teacher of the module at position i (it predicts t_{i+2}) is the target's
+distribution at position i + 1.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+TASK_KINDS = ("code_edit", "extraction", "chat")
+
+
+@dataclass(frozen=True)
+class DistillData:
+    """What the distillation set is made of (part of the checkpoint's content hash)."""
+
+    seq_len: int = 256  # tokens per training block
+    n_blocks: int = 12  # blocks the frozen trunk runs over (the cost: one trunk forward per token)
+    chat_prompts: int = 4  # writing prompts answered by the model itself (greedy, through the engine)
+    chat_new_tokens: int = 16  # tokens generated per chat prompt
+    gen_batch_size: int = 4  # rows per engine.generate call
+    top_k: int = 16  # teacher log-probs kept per position (the KL is over these, renormalized)
+    min_code_lines: int = 4  # functions shorter than this teach little copying
+    max_code_chars: int = 1400  # and longer ones do not fit a block twice (prompt + answer)
+
+    def __post_init__(self):
+        for name in ("seq_len", "n_blocks", "gen_batch_size", "top_k", "min_code_lines", "max_code_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        for name in ("chat_prompts", "chat_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def functions_of(source: str, *, min_lines: int, max_chars: int) -> list[tuple[str, str]]:
+    """(name, source) of the top-level functions of a module's source that fit the size limits."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    lines = source.splitlines()
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.end_lineno is not None:
+            code = "\n".join(lines[node.lineno - 1:node.end_lineno])
+            if node.end_lineno - node.lineno + 1 >= min_lines and len(code) <= max_chars:
+                out.append((node.name, code))
+    return out
+
+
+def code_edit_pair(name: str, code: str) -> tuple[str, str]:
+    """(request, expected answer) for one function: the workload's rename edit (data/spec_workloads.jsonl)."""
+    new = f"{name}_v2"
+    request = (f"Rename the function `{name}` to `{new}` and output the complete updated code.\n\n"
+               f"```python\n{code}\n```")
+    return request, f"```python\n{code.replace(f'def {name}(', f'def {new}(', 1)}\n```"
+
+
+def extraction_pair(docstring: str) -> tuple[str, str] | None:
+    """(request, answer) copying a docstring's first two sentences, or None for a docstring too short."""
+    sentences = [s.strip() for s in docstring.replace("\n", " ").split(". ") if s.strip()]
+    if len(sentences) < 3:
+        return None
+    passage = docstring.strip()
+    request = f"Extract the first two sentences of the following passage exactly as written.\n\nPassage:\n{passage}"
+    return request, ". ".join(sentences[:2]) + "."
+
+
+def task_pairs(corpus, data: DistillData) -> list[tuple[str, str, str]]:
+    """(kind, request, answer) from the corpus's training split, code edits and extractions interleaved."""
+    code, extract = [], []
+    for text in corpus.texts("train", order="hash"):
+        for name, fn in functions_of(text, min_lines=data.min_code_lines, max_chars=data.max_code_chars):
+            code.append(("code_edit", *code_edit_pair(name, fn)))
+        try:
+            doc = ast.get_docstring(ast.parse(text))
+        except SyntaxError:
+            doc = None
+        pair = extraction_pair(doc) if doc and len(doc) < 2000 else None
+        if pair:
+            extract.append(("extraction", *pair))
+    out = []
+    for i, item in enumerate(code):  # one extraction after every three code edits while they last
+        out.append(item)
+        if i % 3 == 2 and extract:
+            out.append(extract.pop(0))
+    return out
+
+
+def answered_ids(tokenizer, request: str, answer: str) -> list[int]:
+    """Chat prompt + answer + end of turn, as the model's own chat template writes it."""
+    from decodelab.workloads.prompts import user_prompt_ids
+
+    end = tokenizer.eos_token_id
+    return user_prompt_ids(tokenizer, request) + tokenizer(answer, add_special_tokens=False).input_ids + [end]
+
+
+def chat_sequences(loaded, data: DistillData, *, progress: bool = False) -> list[list[int]]:
+    """The model's own greedy answers to `chat_prompts` writing prompts: prompt + continuation ids."""
+    from decodelab.core import engine
+    from decodelab.workloads.tasks import load_writing_prompts, writing_prompt
+
+    if not data.chat_prompts or not data.chat_new_tokens:
+        return []
+    prompts = [writing_prompt(p, loaded.tokenizer) for p in load_writing_prompts(n=data.chat_prompts)]
+    out = []
+    for start in range(0, len(prompts), data.gen_batch_size):
+        batch = prompts[start:start + data.gen_batch_size]
+        result = engine.generate(loaded.transformer, batch, max_new_tokens=data.chat_new_tokens, progress=progress)
+        out += [p + list(t) for p, t in zip(batch, result.tokens)]
+    return out
+
+
+def pack(sequences: list[list[int]], seq_len: int, n_blocks: int, pad_id: int) -> torch.Tensor:
+    """Whole sequences packed greedily into (n, seq_len) blocks (a sequence never straddles two blocks, so
+    an answer always sees the text it copies; over-long ones are cut), pad_id filling each block's end."""
+    return pack_counted(sequences, seq_len, n_blocks, pad_id)[0]
+
+
+def pack_counted(sequences: list[list[int]], seq_len: int, n_blocks: int, pad_id: int) -> tuple[torch.Tensor, int]:
+    """`pack`, and how many of the leading sequences the blocks hold."""
+    blocks, current, used = [], [], 0
+    for seq in sequences:
+        seq = seq[:seq_len]
+        if len(current) + len(seq) > seq_len:
+            blocks.append(current + [pad_id] * (seq_len - len(current)))
+            current = []
+            if len(blocks) == n_blocks:
+                break
+        current = current + seq
+        used += 1
+    if current and len(blocks) < n_blocks:
+        blocks.append(current + [pad_id] * (seq_len - len(current)))
+    return torch.tensor(blocks, dtype=torch.long), used
+
+
+def mixed_sequences(tokenizer, pairs: list[tuple[str, str, str]], chats: list[list[int]]):
+    """Task answers with a chat answer after every fourth task, as long as chats last. -> (token lists, kinds)."""
+    sequences, kinds = [], []
+    chat_iter = iter(chats)
+    for i, (kind, request, answer) in enumerate(pairs):
+        sequences.append(answered_ids(tokenizer, request, answer))
+        kinds.append(kind)
+        if i % 4 == 3:
+            chat = next(chat_iter, None)
+            if chat is not None:
+                sequences.append(chat)
+                kinds.append("chat")
+    return sequences, kinds
+
+
+def content_hash(model_name: str, data: DistillData, corpus_hash: str, tokenizer) -> str:
+    """16 hex digits over everything the cached set depends on."""
+    from decodelab.mtp.data import tokenizer_fingerprint
+
+    key = {"model": model_name, "data": data.as_dict(), "corpus": corpus_hash,
+           "tokenizer": tokenizer_fingerprint(tokenizer), "format": 1}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def trunk_targets(hf_model, blocks: torch.Tensor, top_k: int, *, batch_size: int = 4,
+                  progress: bool = False) -> dict[str, torch.Tensor]:
+    """The frozen model over blocks (N, T): {"hidden" (N, T, D) bf16, "top_ids" (N, T, K) int32,
+    "top_logp" (N, T, K) float32: the log-softmax of its next-token logits at each position, top k}."""
+    device = next(hf_model.parameters()).device
+    chunks = range(0, len(blocks), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        chunks = tqdm(chunks, desc="frozen model states", leave=False)
+    hidden, ids, logp = [], [], []
+    for i in chunks:
+        h = hf_model.model(input_ids=blocks[i:i + batch_size].to(device)).last_hidden_state
+        top = torch.log_softmax(hf_model.lm_head(h).float(), -1).topk(top_k, dim=-1)
+        hidden.append(h.to(torch.bfloat16).cpu())
+        ids.append(top.indices.to(torch.int32).cpu())
+        logp.append(top.values.cpu())
+    return {"hidden": torch.cat(hidden), "top_ids": torch.cat(ids), "top_logp": torch.cat(logp)}
+
+
+def build_distill_set(loaded, corpus, data: DistillData, *, cache_dir: str | Path | None = None,
+                      progress: bool = False) -> dict:
+    """Tokens, cached trunk states and teacher top-k for the retrofit (loaded from the cache when present).
+
+    loaded: the frozen `decodelab.core.models.LoadedModel`; corpus: `decodelab.mtp.data.load_corpus()`.
+    -> {"tokens" (N, T), "mask" (N, T) bool (real tokens, not padding), "hidden", "top_ids", "top_logp",
+        "hash", "kinds": sequences per kind}.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from decodelab.mtp.data import cache_root
+
+    key = content_hash(loaded.name, data, corpus.corpus_hash, loaded.tokenizer)
+    root = Path(cache_dir) if cache_dir is not None else cache_root() / "distill"
+    path = root / f"{key}.safetensors"
+    if path.exists():
+        tensors = load_file(str(path))
+        kinds = json.loads((root / f"{key}.json").read_text())["kinds"]
+        return {**tensors, "mask": tensors["mask"].bool(), "hash": key, "kinds": kinds}
+    pairs = task_pairs(corpus, data)
+    chats = chat_sequences(loaded, data, progress=progress)
+    sequences, seq_kinds = mixed_sequences(loaded.tokenizer, pairs, chats)
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+    tokens, used = pack_counted(sequences, data.seq_len, data.n_blocks, pad)
+    kinds = {kind: seq_kinds[:used].count(kind) for kind in TASK_KINDS}  # what the blocks hold
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    for row, block in enumerate(tokens.tolist()):  # trailing padding only
+        n = len(block)
+        while n and block[n - 1] == pad:
+            n -= 1
+        mask[row, n:] = False
+    targets = trunk_targets(loaded.hf_model, tokens, data.top_k, progress=progress)
+    out = {"tokens": tokens, "mask": mask, **targets}
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({**out, "mask": mask.to(torch.uint8)}, str(tmp))
+    (root / f"{key}.json").write_text(json.dumps({"kinds": kinds, "data": data.as_dict(), "model": loaded.name}))
+    tmp.replace(path)  # a half-written file never carries the final name
+    return {**out, "hash": key, "kinds": kinds}

@@ -1,0 +1,80 @@
+"""The retrofit module measured as a drafter for the frozen model, beside n-gram and layer-skip drafters.
+
+`drafter_rows`: for each workload category (data/spec_workloads.jsonl: code_edit, extraction, chat) and batch
+size, plain greedy decoding against greedy speculative decoding through the generic loop
+(`decodelab.speculation.decode.generate`) with each drafter: same prompts, same `max_new_tokens`, same EOS
+set, runs alternating (order flipped each repeat), fastest of `repeats` kept, greedy output compared row by
+row. Acceptance per draft position is the loop's own count (`SpecStats.acceptance_per_position`).
+"""
+from __future__ import annotations
+
+import math
+
+from decodelab.common.timing import alternating_times
+
+
+def category_prompts(tokenizer, categories: list[str], n: int) -> dict[str, list[list[int]]]:
+    """{category: n chat-formatted prompts (cycled)} from the shipped speculation workloads."""
+    from decodelab.workloads.spec import load_workloads, workload_prompts
+
+    return {c: workload_prompts(tokenizer, load_workloads(categories=[c]), n) for c in categories}
+
+
+def _finite(values: list[float], k: int) -> list[float | None]:
+    return [None if (v != v or math.isinf(v)) else v for v in list(values)[:k]]
+
+
+def drafter_rows(target, drafters: dict, prompts_by_category: dict[str, list[list[int]]], batch_sizes: list[int], *,
+                 k: int, max_new_tokens: int, eos_token_ids: list[int] | None = None, repeats: int = 1) -> list[dict]:
+    """One row per (category, batch, drafter): {"category", "batch", "drafter", "k", "tau", "acceptance"
+    (per draft position, None where no draft reached it), "speedup" (plain s / speculative s, fastest runs),
+    "plain_s", "spec_s", "greedy_match", "rows_identical"}.
+
+    target: the frozen model's `Transformer`; drafters: {name: a zero-argument factory of a fresh `Drafter`}.
+    """
+    from decodelab.core.engine import generate as plain_generate
+    from decodelab.speculation.decode import generate as spec_generate
+
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} must be an int >= 1")
+    eos = list(eos_token_ids or [])
+    rows = []
+    for category, prompts in prompts_by_category.items():
+        for batch in batch_sizes:
+            chosen = [prompts[i % len(prompts)] for i in range(batch)]
+            outputs: dict = {}
+            calls = {"plain": lambda: plain_generate(target, chosen, max_new_tokens=max_new_tokens, eos_token_ids=eos)}
+            for name, factory in drafters.items():
+                calls[name] = (lambda f=factory: spec_generate(target, chosen, f(), k=k, max_new_tokens=max_new_tokens,
+                                                               eos_token_ids=eos))
+
+            def keeping(name):
+                def call():
+                    outputs[name] = calls[name]()
+                return call
+
+            times = alternating_times({name: keeping(name) for name in calls}, repeats, target.device, warmup=False)
+            plain_s, plain = min(times["plain"]), outputs["plain"]
+            for name in drafters:
+                out = outputs[name]
+                same = sum(a == b for a, b in zip(out.tokens, plain.tokens))
+                rows.append({"category": category, "batch": batch, "drafter": name, "k": k, "tau": out.stats.tau,
+                             "acceptance": _finite(out.stats.acceptance_per_position, k),
+                             "speedup": plain_s / min(times[name]), "plain_s": plain_s, "spec_s": min(times[name]),
+                             "greedy_match": same == batch, "rows_identical": same})
+    return rows
+
+
+def pick(rows: list[dict], key: str, *, drafter: str, category: str, batch: int | None = None,
+         position: int | None = None):
+    """One value from `drafter_rows` (batch None: the smallest batch measured), or None if not measured."""
+    mine = [r for r in rows if r["drafter"] == drafter and r["category"] == category]
+    if batch is None and mine:
+        batch = min(r["batch"] for r in mine)
+    mine = [r for r in mine if r["batch"] == batch]
+    if not mine:
+        return None
+    value = mine[0][key]
+    if position is not None:
+        value = value[position] if value is not None and len(value) > position else None
+    return value

@@ -1,0 +1,248 @@
+"""Retrofit by self-distillation: the loss, resumable training, the reused-module drafter, checkpoint checks."""
+import json
+
+import pytest
+import torch
+
+from decodelab.core import engine
+from decodelab.core.models import tiny_model
+from decodelab.core.transformer import Transformer
+from decodelab.mtp import checkpoint as mtp_checkpoint
+from decodelab.mtp import distill, shipped
+from decodelab.mtp import drafter as mtp_drafter
+from decodelab.mtp import retrofit_train as rt
+
+VOCAB = 97
+
+
+def frozen(seed=0):
+    return tiny_model(seed=seed, vocab_size=VOCAB).hf_model
+
+
+def fake_dataset(trunk, n=6, length=12, top_k=5, seed=0):
+    """What `build_distill_set` returns, from the tiny trunk itself (a padded tail in row 0)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, VOCAB, (n, length), generator=g)
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    mask[0, -3:] = False
+    targets = distill.trunk_targets(trunk, tokens, top_k)
+    return {"tokens": tokens, "mask": mask, **targets, "hash": "test", "kinds": {}}
+
+
+def test_kl_loss_is_the_teacher_topk_kl_one_position_later():
+    trunk = frozen()
+    model = rt.new_module_model(trunk, seed=0)
+    data = fake_dataset(trunk)
+    scored = torch.zeros(6, 11, dtype=torch.bool)
+    scored[1, 4] = True
+    got = rt.distill_loss(model, data["tokens"], data["hidden"].float(), data["top_ids"], data["top_logp"], scored)
+    with torch.no_grad():
+        state = model.head_state(2, data["hidden"].float(), data["tokens"])[1, 4]
+        logq = torch.log_softmax(model.unembed(state, 2), -1)
+    p = torch.softmax(data["top_logp"][1, 5], -1)  # teacher at position i + 1 = 5, renormalized
+    want = (p * (p.log() - logq[data["top_ids"][1, 5].long()])).sum()
+    assert torch.allclose(got, want, atol=1e-5)
+    ce = rt.distill_loss(model, data["tokens"], data["hidden"].float(), data["top_ids"], data["top_logp"], scored, "ce")
+    assert torch.allclose(ce, -logq[data["tokens"][1, 6]], atol=1e-5)
+
+
+def test_valid_positions_skip_padding_and_the_unlabelled_last_position():
+    mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)
+    assert rt.valid_positions(mask, "kl").tolist() == [[True, True, True, False]]
+    assert rt.valid_positions(mask, "ce").tolist() == [[True, True, False, False]]
+
+
+def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
+    spec = rt.RetrofitSpec(steps=5, batch_size=2, warmup=1, loss_fraction=0.5)
+    trunk = frozen()
+    data = fake_dataset(trunk)
+    whole = rt.new_module_model(trunk, seed=0)
+    rt.train_retrofit(whole, data, spec, run_dir=tmp_path / "whole", save_every=2)
+    part = rt.new_module_model(trunk, seed=0)
+    first = rt.train_retrofit(part, data, spec, run_dir=tmp_path / "cut", save_every=2, stop_after=3)
+    assert first["steps_done"] == 3
+    resumed = rt.new_module_model(trunk, seed=0)  # a fresh process: starts from the saved state
+    second = rt.train_retrofit(resumed, data, spec, run_dir=tmp_path / "cut", save_every=2)
+    assert second["resumed_from"] == 3 and len(second["losses"]) == 5
+    for (name, a), b in zip(whole.heads.state_dict().items(), resumed.heads.state_dict().values()):
+        assert torch.equal(a, b), name
+    untrained = rt.new_module_model(trunk, seed=0)
+    assert not torch.equal(untrained.heads[0].proj.weight, resumed.heads[0].proj.weight)
+
+
+def test_training_leaves_the_frozen_next_token_logits_identical(tmp_path):
+    trunk = frozen()
+    data = fake_dataset(trunk)
+    before = trunk(input_ids=data["tokens"]).logits.detach().clone()
+    model = rt.new_module_model(trunk, seed=0)
+    rt.train_retrofit(model, data, rt.RetrofitSpec(steps=3, batch_size=2, warmup=1), run_dir=tmp_path)
+    assert torch.equal(trunk(input_ids=data["tokens"]).logits, before)
+    assert torch.equal(model.head_logits(data["tokens"])[0], before)
+
+
+def test_step_rows_and_scored_positions_are_functions_of_seed_and_step():
+    spec = rt.RetrofitSpec(batch_size=3, seed=1)
+    assert torch.equal(rt.step_rows(7, 10, spec), rt.step_rows(7, 10, spec))
+    epoch = torch.cat([rt.step_rows(s, 9, spec) for s in range(3)])
+    assert sorted(epoch.tolist()) == list(range(9))  # one epoch visits every block once
+    valid = torch.ones(2, 50, dtype=torch.bool)
+    assert torch.equal(rt.scored_positions(4, valid, spec), rt.scored_positions(4, valid, spec))
+    assert 0 < int(rt.scored_positions(4, valid, spec).sum()) < 100
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_reused_module_drafts_keep_greedy_output(k):
+    from decodelab.speculation import decode as speculative
+
+    trunk = frozen()
+    with torch.no_grad():
+        trunk.model.embed_tokens.weight.mul_(5.0)
+    model = rt.new_module_model(trunk, seed=0)
+    with torch.no_grad():  # a non-identity module, so the chain's later drafts differ from the first
+        for p in model.heads.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    prompts = [[5, 7, 9, 3, 11], [4, 4, 2], [8] * 9]
+    tr = Transformer.from_hf(trunk)
+    plain = engine.generate(tr, prompts, max_new_tokens=18, eos_token_ids=[])
+    drafter = mtp_drafter.MTPDrafter(model, reuse=True)
+    out = speculative.generate(tr, prompts, drafter, k=k, max_new_tokens=18, eos_token_ids=[])
+    assert out.tokens == plain.tokens
+    assert sum(out.stats.accepted[k:]) == 0 and out.stats.tau >= 1.0
+
+
+def test_reused_chain_first_draft_equals_the_unchained_draft():
+    from decodelab.speculation.drafters import DraftContext
+
+    trunk = frozen()
+    model = rt.new_module_model(trunk, seed=0)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    outs = []
+    for reuse, k in ((False, 1), (True, 3)):
+        d = mtp_drafter.MTPDrafter(model, reuse=reuse)
+        d.begin(prompts, max_len=32)
+        tokens, lengths = engine.pad_prompts(prompts, torch.device("cpu"))
+        with torch.no_grad():
+            hidden = model.hidden(tokens)
+        d.observe(hidden, lengths, torch.roll(tokens, -1, dims=1))
+        outs.append(d.propose(DraftContext(tokens=prompts), k).tokens)
+    assert outs[1].shape == (2, 3)
+    assert torch.equal(outs[0][:, 0], outs[1][:, 0])
+
+
+def test_reuse_is_refused_for_independent_heads():
+    from decodelab.mtp.model import MTPConfig, MTPModel
+
+    with pytest.raises(ValueError, match="reuse=True"):
+        mtp_drafter.MTPDrafter(MTPModel(frozen(), MTPConfig(n_heads=2), frozen_trunk=True), reuse=True)
+
+
+def saved_module(tmp_path):
+    model = rt.new_module_model(frozen(), seed=0)
+    mtp_checkpoint.save_checkpoint(model, tmp_path, retrofit_model="tiny")
+    return tmp_path
+
+
+def test_checkpoint_for_another_tokenizer_is_refused_naming_the_file(tmp_path):
+    directory = saved_module(tmp_path)
+    other = tiny_model(seed=0, vocab_size=VOCAB + 3).hf_model
+    with pytest.raises(ValueError, match=r"heads\.safetensors.*vocab_size=97.*vocab_size=100"):
+        mtp_checkpoint.load_checkpoint(directory, trunk=other)
+
+
+def test_half_written_checkpoint_is_refused_naming_the_file(tmp_path):
+    directory = saved_module(tmp_path)
+    weights = directory / "heads.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match="heads.safetensors.*corrupted or half-written"):
+        mtp_checkpoint.load_checkpoint(directory, trunk=frozen())
+
+
+def test_more_heads_than_the_checkpoint_holds_is_refused(tmp_path):
+    directory = saved_module(tmp_path)
+    with pytest.raises(ValueError, match="n_heads=4 asked of .*mtp_config.json, which holds n_heads=2"):
+        mtp_checkpoint.load_checkpoint(directory, trunk=frozen(), n_heads=4)
+
+
+def test_record_check_catches_changed_weights_and_another_spec(tmp_path):
+    directory = saved_module(tmp_path)
+    spec = rt.RetrofitSpec()
+    record = {"sha256": shipped.sha256_of(directory / "heads.safetensors"), "spec": spec.as_dict(), "model": "tiny",
+              "corpus_hash": "abc"}
+    (directory / "record.json").write_text(json.dumps(record))
+    assert shipped.check_record(directory, spec=spec, model_name="tiny", corpus_hash="abc") == []
+    assert "another spec" in " ".join(shipped.check_record(directory, spec=rt.RetrofitSpec(seed=1)))
+    assert "for model 'tiny'" in " ".join(shipped.check_record(directory, model_name="smollm2-135m"))
+    (directory / "heads.safetensors").write_bytes(b"x" * 10)
+    problems = shipped.check_record(directory)
+    assert problems and "heads.safetensors has sha256" in problems[0]
+    with pytest.raises(ValueError, match="heads.safetensors has sha256"):
+        shipped.load_shipped(directory, trunk=frozen())
+
+
+def test_distillation_pairs_and_packing():
+    request, answer = distill.code_edit_pair("f", "def f(x):\n    return x")
+    assert "`f` to `f_v2`" in request and answer == "```python\ndef f_v2(x):\n    return x\n```"
+    funcs = distill.functions_of("def a():\n    pass\n\ndef b():\n    x = 1\n    y = 2\n    return x\n",
+                                 min_lines=3, max_chars=200)
+    assert [name for name, _ in funcs] == ["b"]
+    assert distill.extraction_pair("One. Two") is None
+    blocks = distill.pack([[1] * 3, [2] * 4, [3] * 2, [4] * 9], seq_len=6, n_blocks=5, pad_id=0)
+    assert blocks.tolist() == [[1, 1, 1, 0, 0, 0], [2, 2, 2, 2, 3, 3], [4] * 6]
+
+
+def test_specs_refuse_bad_values_naming_them():
+    with pytest.raises(ValueError, match="loss='mse'"):
+        rt.RetrofitSpec(loss="mse")
+    with pytest.raises(ValueError, match="loss_fraction=0"):
+        rt.RetrofitSpec(loss_fraction=0)
+    with pytest.raises(ValueError, match="n_blocks=0"):
+        distill.DistillData(n_blocks=0)
+
+
+def test_drafter_rows_compare_like_with_like_and_claim_reads_them():
+    from decodelab.mtp import draft_eval, findings
+    from decodelab.speculation.drafters import make_drafter
+
+    trunk = frozen()
+    model = rt.new_module_model(trunk, seed=0)
+    tr = Transformer.from_hf(trunk)
+    drafters = {"mtp": lambda: mtp_drafter.MTPDrafter(model, reuse=True), "ngram": lambda: make_drafter("ngram", tr)}
+    prompts = {"code_edit": [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8]]}
+    rows = draft_eval.drafter_rows(tr, drafters, prompts, [1, 2], k=2, max_new_tokens=6)
+    assert [(r["batch"], r["drafter"]) for r in rows] == [(1, "mtp"), (1, "ngram"), (2, "mtp"), (2, "ngram")]
+    assert all(r["greedy_match"] and r["tau"] >= 1.0 and len(r["acceptance"]) == 2 for r in rows)
+    assert draft_eval.pick(rows, "batch", drafter="mtp", category="code_edit") == 1
+    assert draft_eval.pick(rows, "tau", drafter="mtp", category="chat") is None
+    record = {"name": "m", "sha256": "0" * 64, "model": "tiny", "spec": rt.RetrofitSpec().as_dict(),
+              "distill_set": {"tokens": 1000}, "train_s": 120.0, "data_s": 60.0, "load_average": [1.0, 1.0, 1.0]}
+    lines = findings.module_claim({"source": "shipped", "record": record}, rows)
+    tau = draft_eval.pick(rows, "tau", drafter="mtp", category="code_edit")
+    assert f"tau {tau:.2f}" in lines[1] and "ngram tau" in lines[1]
+    assert lines[-1].startswith("Can MTP be retrofitted onto a model trained for one token?")
+    with pytest.raises(ValueError, match="k=0"):
+        draft_eval.drafter_rows(tr, drafters, prompts, [1], k=0, max_new_tokens=2)
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: one id per character, a trivial chat template."""
+
+    eos_token_id = 2
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        class Out:
+            input_ids = [ord(c) % 90 + 3 for c in text]
+        return Out()
+
+
+def test_mixed_sequences_put_a_chat_answer_after_every_fourth_task():
+    pairs = [("code_edit", f"r{i}", f"a{i}") for i in range(9)]
+    chats = [[7, 7], [8, 8], [9, 9]]
+    sequences, kinds = distill.mixed_sequences(CharTokenizer(), pairs, chats)
+    assert kinds == ["code_edit"] * 4 + ["chat"] + ["code_edit"] * 4 + ["chat"] + ["code_edit"]
+    assert sequences[4] == [7, 7] and sequences[9] == [8, 8]
+    assert sequences[0][-1] == CharTokenizer.eos_token_id  # each answer ends its turn
+    blocks, used = distill.pack_counted(sequences, seq_len=40, n_blocks=2, pad_id=0)
+    assert blocks.shape == (2, 40) and 0 < used < len(sequences)
