@@ -1,7 +1,8 @@
 """Write data/trace_families.jsonl: the query stream of notebook 06 (trace reuse), seed 0.
 
 A frozen copy of `decodelab.workloads.families.make_stream(n, seed=seed)`: families of templated problems
-(two- and three-step word problems, unit conversions, running totals) interleaved in arrival order, each with
+(one-step additions with operands <= 20, two- and three-step word problems, unit conversions, running totals)
+interleaved in arrival order, each with
 its computable answer and its aligned values, so a reader can look at the problems without running anything.
 
     python data/make_trace_families.py [--n 240] [--seed 0] [--out data/trace_families.jsonl]

@@ -1,16 +1,18 @@
 """Trace reuse on the tiny model and on text: lossless drafting and step reuse at threshold 1 equal plain greedy
 decoding token for token; alignment, retrieval and the stream behave; bad input names parameter, value, allowed."""
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from decodelab.core import engine
-from decodelab.reuse import align, step_reuse, summary
+from decodelab.reuse import align, methods, step_reuse, summary
 from decodelab.reuse.drafting import ReferenceIndex, TraceDrafter
 from decodelab.reuse.retrieval import Entry, TraceCache, check_method, check_threshold, jaccard, token_ngrams
 from decodelab.speculation import decode as spec_decode
-from decodelab.speculation.drafters import Drafter, NGramDrafter
+from decodelab.speculation.drafters import DraftContext, Drafter, NGramDrafter
 from decodelab.workloads import families
 
 
@@ -87,6 +89,35 @@ def test_question_alignment_and_substitution():
     assert align.substitute("3 5", {"3": "5", "5": "8"}) == "5 8"  # one pass, no chaining
 
 
+def test_recompute_redoes_sums_and_carries_new_results_forward():
+    trace = "Anna has 12 pears. She buys 5 more, so 12 + 5 = 10.\nThe answer is 10."
+    assert align.recompute(trace) == "Anna has 12 pears. She buys 5 more, so 12 + 5 = 17.\nThe answer is 17."
+    chained = "2 * 60 = 420 minutes, 420 + 55 = 475. The answer is 475."
+    assert align.recompute(chained) == "2 * 60 = 120 minutes, 120 + 55 = 175. The answer is 175."
+    assert align.recompute("9 - 4 = 5, no change") == "9 - 4 = 5, no change"
+    assert align.recompute("no sums, 3 apples") == "no sums, 3 apples"
+
+
+def test_trace_drafter_drafts_long_only_from_a_full_trace_match():
+    trace = list(range(100, 120))
+    full = TraceDrafter([[trace]], max_ngram=3, short_k=2)
+    ctx = DraftContext(tokens=[[1, 2, 100, 101, 102]], active=None)
+    assert full.propose(ctx, 8).tokens[0, :8].tolist() == trace[3:11]  # 3-token match: up to k
+    weak = TraceDrafter([[trace]], max_ngram=3, short_k=2)
+    proposal = weak.propose(DraftContext(tokens=[[1, 2, 101, 102]], active=None), 8)  # 2-token match
+    assert int(proposal.lengths[0]) == 2 and proposal.tokens[0, :2].tolist() == trace[3:5]
+    with pytest.raises(ValueError, match="short_k=0"):
+        TraceDrafter([[trace]], short_k=0)
+
+
+def test_trace_drafter_with_long_trace_drafts_stays_lossless_on_tiny(tiny):
+    prompts = _prompts()
+    plain = engine.generate(tiny, prompts, max_new_tokens=24, eos_token_ids=[]).tokens
+    drafter = TraceDrafter([[plain[0]], [plain[1][3:]], []], max_ngram=3, short_k=2)
+    out = spec_decode.generate(tiny, prompts, drafter, k=8, max_new_tokens=24, eos_token_ids=[])
+    assert out.tokens == plain and max(out.stats.step_k) <= 8
+
+
 def test_split_steps_cuts_after_step_ends():
     assert align.split_steps([1, 2, 3, 4, 5], ["a", ".", "b", "\n", "c"]) == [[1, 2], [3, 4], [5]]
     with pytest.raises(ValueError, match="one text per token"):
@@ -118,6 +149,8 @@ def test_stream_is_seeded_interleaved_and_answers_compute():
     two = [p for p in a if p.family == "two_step"][0]
     x, y, z = two.values[:3]
     assert two.answer == x + y - z and f"{x} " in two.question
+    one = [p for p in a if p.family == "one_step"]
+    assert one and all(p.answer == p.values[0] + p.values[1] and max(p.values[:2]) <= 20 for p in one)
     shipped = families.load_stream(30)
     assert shipped == families.make_stream(240, seed=0)[:30]  # the data file is the seeded stream
 
@@ -130,6 +163,10 @@ def test_stream_is_seeded_interleaved_and_answers_compute():
     (lambda: check_method("bm25"), r"retrieval='bm25' is not a retrieval method; allowed: \['ngram', 'embedding'\]"),
     (lambda: summary.check_warmup(5, 5), r"n_queries=5 is not longer than the cache warm-up warmup=5; allowed"),
     (lambda: families.load_stream(10_000), r"n_queries=10000 must be between 1 and"),
+    (lambda: methods.Setup(None, [], max_new_tokens=8, trace_draft_k=99), r"trace_draft_k=99 must be an int in \[1,"),
+    (lambda: methods.Setup(None, [], max_new_tokens=8, similarity_threshold=2), r"similarity_threshold=2 must be"),
+    (lambda: methods.plan([], [0.5]), r"retrieval=\[\] is empty; allowed"),
+    (lambda: methods.plan(["bm25"], [0.5]), r"retrieval='bm25' is not a retrieval method"),
 ])
 def test_bad_input_names_parameter_value_and_allowed(call, match):
     with pytest.raises(ValueError, match=match):
@@ -142,13 +179,53 @@ def test_load_stream_rejects_an_empty_family(tmp_path):
         families.load_stream(3, families=["two_step", "running_total"], path=path)
 
 
-def test_amortization_ratio_and_best_token_cut():
-    rows = [{"method": m, "batch_size": 1, "query": q, "forwards": f}
-            for q in range(4) for m, f in (("plain", 10), ("x", [6, 5, 3, 2][q]))]
-    curve = summary.amortization(rows, "x", 1, window=2)
-    assert [c["relative_cost"] for c in curve] == [0.6, 0.5, 0.3, 0.2]
-    assert summary.amortization_ratio(curve, 4) == pytest.approx(0.25 / 0.6)
-    assert summary.amortization_ratio(curve, 5) is None
+def test_amortization_is_paired_against_the_cold_start_and_best_token_cut():
+    # trace drafting's cold start is prompt lookup (not plain): the ratio divides by prompt_ngram's forwards
+    rows = [{"method": m, "kind": m, "batch_size": 1, "query": q, "forwards": f}
+            for q in range(4) for m, f in (("plain", 10), ("prompt_ngram", 6), ("trace_draft", [6, 5, 3, 2][q]))]
+    curve = summary.amortization(rows, "trace_draft", 1, window=2)
+    assert [c["cold_forwards"] for c in curve] == [6, 6, 6, 6]
+    assert [c["window_cost"] for c in curve] == pytest.approx([1.0, 11 / 12, 8 / 12, 5 / 12])
+    assert summary.amortization_ratio(curve, 4) == pytest.approx(5 / 12)
+    assert summary.amortization_ratio(curve, 5) is None and summary.amortization_ratio(curve, 0) is None
+    assert summary.cold_method("step_reuse") == "plain" and summary.cold_method("trace_draft_subst") == "prompt_ngram"
+    assert summary.amortization(rows, "missing", 1) == []
+    kept = [{"method": "trace_draft", "batch_size": 1, "change_ci_low": 0.0},
+            {"method": "lossy", "batch_size": 1, "change_ci_low": -0.5}]
+    assert summary.best_amortization({"trace_draft": 0.4, "lossy": 0.1, "none": None}, kept) == ("trace_draft", 0.4)
     table = [{"batch_size": 1, "kind": "a", "method": "a", "target_token_cut": 3.0, "change_ci_low": -0.1},
              {"batch_size": 1, "kind": "b", "method": "b", "target_token_cut": 2.0, "change_ci_low": 0.0}]
     assert summary.best_token_cut(table)["method"] == "b"
+
+
+class _ByteTokenizer:
+    """Bytes as token ids (the tiny model's vocab is 256): enough of a tokenizer for `methods.Setup`."""
+
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=list(text.encode("utf-8")))
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content'][-60:]}\n" for m in messages) + "<assistant>"
+
+
+def test_interleaved_serving_with_a_shared_prefill_keeps_every_output(tiny):
+    lm = dataclasses.replace(tiny, tokenizer=_ByteTokenizer())
+    stream = families.make_stream(5, families=["one_step"])
+    setup = methods.Setup(lm, stream, max_new_tokens=10, similarity_threshold=0.0)
+    plan = methods.plan(["ngram"], [1.0, 0.2])
+    queries, batches = methods.serve_all(setup, plan, [1, 2], ["trace_draft_subst", "shared_prefix"])
+    by = {(r["method"], r["batch_size"], r["query"]): r["tokens"] for r in queries}
+    for (label, batch, q), tokens in by.items():
+        if next(m for m in plan if m.label == label).lossless:
+            assert tokens == by[("plain", batch, q)], (label, batch, q)
+    assert {r["method"] for r in queries if r["batch_size"] == 2} == {"plain", "trace_draft_subst[ngram]",
+                                                                       "shared_prefix"}
+    for method in [m for m in plan if m.kind in ("trace_draft_subst", "shared_prefix", "step_reuse")]:
+        # one method alone, prefilling by itself, writes exactly what it wrote interleaved
+        alone, _ = methods.serve(setup, method, batch_size=1)
+        assert [r["tokens"] for r in alone] == [by[(method.label, 1, q)] for q in range(len(stream))]

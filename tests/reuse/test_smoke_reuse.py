@@ -73,3 +73,16 @@ def test_goal_rows_present_and_judged_on_smoke(metrics):
     assert rows["target_token_cut_moonshot"].moonshot is True
     assert rows["amortization_ratio"].value == pytest.approx(metrics["amortization_ratio"])
     assert "lossless_all_identical" not in rows  # an invariant, not a goal
+
+
+def test_amortization_starts_at_the_cold_start_and_families_are_reported_on_smoke(smoke_runs, metrics, params):
+    import pandas as pd
+
+    curve = pd.read_csv(smoke_runs(NAME) / "tables" / "amortization.csv")
+    assert metrics["amortization_cost"] == "target forwards" and not curve.empty
+    assert (curve[curve.position == 1].window_cost == 1.0).all()  # the first query is served with an empty cache
+    assert (curve.forwards >= 1).all() and (curve.cold_forwards >= 1).all()
+    if metrics["amortization_ratio"] is not None:
+        assert metrics["amortization_ratios"][metrics["amortization_method"]] == metrics["amortization_ratio"]
+    by_family = metrics["plain_accuracy_by_family"]
+    assert set(by_family) == set(params["families"]) and all(0 <= v <= 1 for v in by_family.values())

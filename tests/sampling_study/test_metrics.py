@@ -115,9 +115,18 @@ def test_continuation_nll_is_independent_of_batch_padding(tiny):
         assert batched[i] == pytest.approx(float(expected), abs=1e-4)
 
 
+def test_embedder_is_re_exported_from_common():
+    from decodelab.common import embeddings
+
+    assert metrics.load_embedder is embeddings.load_embedder and metrics.Embedder is embeddings.Embedder
+    assert metrics.EMBEDDER_PACKAGE == embeddings.EMBEDDER_PACKAGE
+
+
 @pytest.mark.slow
 def test_embedder_gives_unit_vectors_and_ranks_paraphrase_closer():
-    embed = metrics.load_embedder()
+    from decodelab.common.embeddings import load_embedder
+
+    embed = load_embedder()
     e = embed(["A cat sits on the mat.", "A kitten is sitting on a rug.", "Stock markets fell sharply today."])
     assert e.shape == (3, 384)
     assert torch.allclose(e.norm(dim=-1), torch.ones(3), atol=1e-5)

@@ -72,3 +72,36 @@ def split_steps(tokens: list[int], pieces: list[str]) -> list[list[int]]:
 def token_pieces(tokenizer, tokens: list[int]) -> list[str]:
     """Each token's own text (decoded alone)."""
     return [tokenizer.decode([t]) for t in tokens]
+
+
+_SUM = re.compile(r"(?<![\w.])(\d+(?:\s*[-+*x×]\s*\d+)+)\s*=\s*(\d+)(?![\w])")
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "x": lambda a, b: a * b,
+        "×": lambda a, b: a * b}
+
+
+def _evaluate(expression: str) -> int:
+    """Left-to-right value of "a op b op c" (the traces' one-line sums; * before + is not needed there)."""
+    parts = re.findall(r"\d+|[-+*x×]", expression)
+    value = int(parts[0])
+    for op, number in zip(parts[1::2], parts[2::2]):
+        value = _OPS[op](value, int(number))
+    return value
+
+
+def recompute(text: str) -> str:
+    """Redo the arithmetic of a substituted trace: every "a op b = c" gets c = the true value of the left side,
+    and every later whole-word occurrence of an old result becomes its new value (so "The answer is 14" follows
+    "4 + 10 = 14" -> "16 + 17 = 33"). For *lossless* drafting only: a draft is verified token by token, so a
+    recomputed number is accepted only where the target itself writes it; step reuse (lossy) keeps the old
+    results (module docstring) so no arithmetic the target did not do enters an answer."""
+    mapping: dict[str, str] = {}
+    out, last = [], 0
+    for match in _SUM.finditer(text):
+        expression = substitute(match.group(1), mapping)
+        value = str(_evaluate(expression))
+        if match.group(2) != value:
+            mapping[match.group(2)] = value
+        out.append(substitute(text[last:match.start()], mapping) + f"{expression} = {value}")
+        last = match.end()
+    out.append(substitute(text[last:], mapping))
+    return "".join(out)

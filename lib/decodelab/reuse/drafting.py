@@ -33,12 +33,17 @@ class ReferenceIndex:
 
     def lookup(self, seq: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix of `seq` found in a reference, or []."""
+        return self.match(seq, k)[0]
+
+    def match(self, seq: list[int], k: int) -> tuple[list[int], int]:
+        """(up to k tokens that followed the longest suffix of `seq` found in a reference, that suffix's
+        length); ([], 0) without a match."""
         for n in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
             found = self.index.get(tuple(seq[len(seq) - n:]))
             if found is not None:
                 r, end = found
-                return self.references[r][end:end + k]
-        return []
+                return self.references[r][end:end + k], n
+        return [], 0
 
 
 class TraceDrafter(DrafterBase):
@@ -47,16 +52,22 @@ class TraceDrafter(DrafterBase):
     references: one list of token sequences per row (the retrieved traces, least similar first); [] for a row
     with no hit. trace_min_ngram: the shortest suffix that may match a trace (a 1-token match on a common
     word copies noise); the prompt-lookup fallback uses min_ngram.
+    short_k: the most tokens drafted from a weak match: prompt lookup, or a trace matched on fewer than
+    max_ngram tokens; only a trace matched on a full max_ngram-token suffix drafts up to the step's k (None:
+    every draft up to k). A long draft is worth its verify width only where the trace is in step with the
+    output; elsewhere a wide verify mostly checks tokens that will be rejected.
     """
 
     name = "trace"
 
     def __init__(self, references: list[list[list[int]]], *, max_ngram: int = 4, min_ngram: int = 1,
-                 trace_min_ngram: int = 2, name: str = "trace"):
+                 trace_min_ngram: int = 2, short_k: int | None = None, name: str = "trace"):
         if not 1 <= min_ngram <= max_ngram or not 1 <= trace_min_ngram <= max_ngram:
             raise ValueError(f"min_ngram={min_ngram!r}, trace_min_ngram={trace_min_ngram!r}, max_ngram={max_ngram!r}: "
                              "need 1 <= min_ngram, trace_min_ngram <= max_ngram")
-        self.name = name
+        if short_k is not None and (isinstance(short_k, bool) or not isinstance(short_k, int) or short_k < 1):
+            raise ValueError(f"short_k={short_k!r} must be None or an int >= 1 (draft tokens from a weak match)")
+        self.name, self.short_k, self.max_ngram = name, short_k, max_ngram
         self.indices = [ReferenceIndex(refs, max_ngram, trace_min_ngram) for refs in references]
         self.prompt_lookup = NGramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
         self.forwards = [0] * len(references)  # decode steps each row was active in
@@ -77,10 +88,11 @@ class TraceDrafter(DrafterBase):
             if ctx.active is not None and not bool(ctx.active[b]):
                 continue
             self.forwards[b] += 1
-            found = self.indices[b].lookup(seq, k)
-            source = "trace"
+            short = k if self.short_k is None else min(k, self.short_k)
+            found, n = self.indices[b].match(seq, k)
+            found, source = (found if n >= self.max_ngram else found[:short]), "trace"
             if not found:
-                found, source = self.prompt_lookup.lookup(b, seq, k), "prompt"
+                found, source = self.prompt_lookup.lookup(b, seq, short), "prompt"
             if found:
                 tokens[b, :len(found)] = torch.tensor(found)
                 lengths[b] = len(found)

