@@ -60,3 +60,17 @@ def test_packed_weights_follow_in_place_weight_updates():
 
 def test_fp32_models_do_not_pack():
     assert not tiny_model(seed=0).transformer.linear.enabled
+
+
+@needs_bf16
+@pytest.mark.slow
+def test_embedded_model_in_bf16_decodes_transformers_bf16_greedy_tokens_row_by_row():
+    """The embedded model at batch 1 (transformers' batched bf16 run is not batch-invariant, see above): every
+    benchmark prompt decodes the same 32 greedy tokens as transformers' bf16 generate(), EOS off."""
+    from decodelab.core.models import load_model
+    from decodelab.quickstart.bench import chat_prompts
+
+    lm = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    for prompt in chat_prompts(lm.tokenizer)[:4]:
+        ours = generate(lm, [prompt], max_new_tokens=32, eos_token_ids=[]).tokens[0]
+        assert ours == hf_generate_greedy(lm, [prompt], 32)[0]

@@ -174,6 +174,11 @@ class KVCache:
         keys[rows, :, plan.slots] = k_new.transpose(1, 2)
         values[rows, :, plan.slots] = v_new.transpose(1, 2)
         span = plan.span
+        if q.shape[0] == 1 and q.shape[2] == 1 and q.dtype in (torch.bfloat16, torch.float16):
+            # Batch-1 decode sees every key of its span. In half precision SDPA rounds the unfolded (1, H, 1, D)
+            # call differently from the folded (1, K, G, D) one; the unfolded call is transformers', so greedy
+            # tokens match it token for token (fp32 matches either way and keeps the faster folded call).
+            return F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], enable_gqa=True)
         bias = plan.attention_bias(q.shape[1] // keys.shape[1], q.dtype)
         return grouped_attention_masked(q, keys[:, :, :span], values[:, :, :span], bias)
 

@@ -63,7 +63,7 @@ class TreeCache:
         where = plan.slots[0]
         keys[0, :, where] = k_new[0]
         values[0, :, where] = v_new[0]
-        mask = plan.grouped_mask(q.shape[1] // keys.shape[1])
+        mask = plan.attention_bias(q.shape[1] // keys.shape[1], q.dtype)  # additive, built once per forward
         return grouped_attention_masked(q, keys[:, :, : plan.span], values[:, :, : plan.span], mask)
 
     def advance(self, n_new: torch.Tensor) -> None:
