@@ -341,8 +341,7 @@ def make_drafter(name: str, target, **options):
     """Build a drafter by name, with the defaults for every option left out (or None):
     "ngram" (max_ngram, min_ngram, match: `NGramDrafter`'s), "layer_skip" (layers: `default_skip_layers`),
     "draft_model" (draft: a LoadedModel sharing the tokenizer, else draft_layers: the depth of a truncated
-    copy of the target, `draft_models.default_draft_layers` when None), "sparse_kv" (sink, window, layers:
-    `sparse_draft.SparseKVDrafter`'s)."""
+    copy of the target, `draft_models.default_draft_layers` when None)."""
     if name == "ngram":
         return NGramDrafter(**{k: v for k, v in options.items() if k in ("max_ngram", "min_ngram", "match")})
     if name == "layer_skip":
@@ -352,9 +351,5 @@ def make_drafter(name: str, target, **options):
         if draft is None:
             draft = draft_model_for(target, n_layers=options.get("draft_layers"))
         return ModelDrafter(draft, target)
-    if name == "sparse_kv":
-        from decodelab.speculation.sparse_draft import SparseKVDrafter  # lazy: sparse_draft imports this module
-
-        return SparseKVDrafter(target, **{k: v for k, v in options.items() if k in ("sink", "window", "layers")})
-    raise ValueError(f"drafter={name!r} is unknown; allowed: 'ngram', 'layer_skip', 'draft_model', 'sparse_kv' "
-                     "(MTP heads: decodelab.mtp.drafter)")
+    raise ValueError(f"drafter={name!r} is unknown; allowed: 'ngram', 'layer_skip', 'draft_model' "
+                     "(MTP heads: decodelab.mtp.drafter; the sparse-KV self-draft: decodelab.speculation.sparse_draft)")
