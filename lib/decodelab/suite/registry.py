@@ -57,8 +57,8 @@ NOTEBOOKS: dict[str, Notebook] = {nb.name: nb for nb in (
     ),
     Notebook(
         "speculation", "01_speculation_vs_batch.ipynb", "01 · Speculative decoding vs batch size",
-        "Does speculative decoding still speed up generation as the batch grows, and does any draft-length "
-        "policy avoid losing to plain decoding?",
+        "Does speculative decoding still speed up generation as the batch grows, does a per-row draft-length "
+        "policy avoid losing to plain decoding, and does speculation gain with batch at long context?",
         ("speedup_vs_batch",),
         (("greedy_match", "speculative greedy tokens identical to plain greedy"),
          ("acceptance_alpha.*", "acceptance rate alpha ({0})"),
@@ -84,12 +84,15 @@ NOTEBOOKS: dict[str, Notebook] = {nb.name: nb for nb in (
     ),
     Notebook(
         "mtp", "03_mtp_training.ipynb", "03 · Multi-token prediction",
-        "Does training with multi-token prediction hurt or help a small model, and do its heads make useful drafters?",
+        "Does training with multi-token prediction hurt or help a small model, do its heads make useful drafters, "
+        "and can MTP be retrofitted onto the embedded model?",
         ("loss_curves",),
         (("val_loss.*.mean", "validation loss ({0})"), ("head_accuracy.*", "head accuracy ({0})"),
          ("retrofit.*.head_2_accuracy", "retrofit head-2 accuracy on held-out text ({0})"),
          ("frozen_next_token_val_loss.mean", "frozen model's own next-token loss (unchanged by the retrofit)"),
          ("retrofit_frozen_bit_identical", "frozen weights bit-identical after the retrofit"),
+         ("retrofit_module_frozen_logits_identical", "next-token logits bit-identical with the module attached"),
+         ("retrofit_module_greedy_match", "self-speculation with the shipped module: greedy identical to plain"),
          ("step_time_ratio", "training step time, MTP / next-token"),
          ("peak_mem_ratio", "peak memory, MTP / next-token")),
         package="mtp",
@@ -99,7 +102,8 @@ NOTEBOOKS: dict[str, Notebook] = {nb.name: nb for nb in (
     Notebook(
         "masking", "04_masking_distortion.ipynb", "04 · Distortion under masking",
         "How far does constrained decoding by token masking move the output distribution from the model's "
-        "distribution conditioned on the grammar, per task?",
+        "distribution conditioned on the grammar, what does an exact fix cost, and does reasoning freely "
+        "before a constrained answer remove the accuracy loss?",
         ("distortion_per_task",),
         (("kl_masked.*", "KL, masked vs grammar-conditioned ({0})"),
          ("tv_masked.*", "total variation, masked vs grammar-conditioned ({0})"),
@@ -114,8 +118,8 @@ NOTEBOOKS: dict[str, Notebook] = {nb.name: nb for nb in (
     ),
     Notebook(
         "consistency", "05_self_consistency_kv.ipynb", "05 · Self-consistency with a shared prompt KV cache",
-        "How cheap does sharing the prompt's KV cache make self-consistency, and how does accuracy grow with "
-        "the number of samples?",
+        "How cheap does sharing the prompt's KV cache make self-consistency (against one sample), how does "
+        "accuracy grow with the number of samples, and how much do stopping rules and confidence filtering save?",
         ("cost_vs_n",),
         (("shared_equals_unshared", "shared-prefix samples identical to unshared"),
          ("speedup_vs_hf", "speedup vs HF"), ("kv_ratio_vs_hf_measured", "KV bytes vs HF (measured)"),
@@ -133,7 +137,8 @@ NOTEBOOKS: dict[str, Notebook] = {nb.name: nb for nb in (
         ("amortization_curve", "forwards_and_speedup"),
         (("lossless_all_identical", "lossless methods' greedy output identical to plain"),
          ("amortization_ratio", "cost per query after N queries / first query's"),
-         ("shared_prefix.B=1.saved", "prefill time saved by the shared prefix (batch 1)")),
+         ("shared_prefix.B=1.saved", "prefill time saved by the shared prefix (batch 1)"),
+         ("plain_accuracy_by_family.*", "plain chain-of-thought accuracy ({0})")),
         TIMING_METRICS + ("shared_prefix*",),
         package="reuse",
         gpu_check=("n_queries=60", "max_new_tokens=128", "step_thresholds=[0.5]", "batch_sizes=[1,16]"),
