@@ -41,18 +41,20 @@ def budget_md(selected: dict) -> str:
     """The budget table for the README: per notebook wall time, load state, and the make-all sum."""
     walls = wall_times(selected)
     goals = {g.name: g for g in budget_goals(walls)}
-    lines = ["| notebook | wall time | budget | status | load |", "|---|---|---|---|---|"]
+    lines = ["| notebook | wall time | budget | status | load | commit |", "|---|---|---|---|---|---|"]
     for name, wall in walls.items():
         record = selected.get(name)
         load = answers.load_state(record.env)[1] if record is not None else "no run"
+        commit = ((record.env or {}).get("git") or {}).get("commit") if record is not None else None
         lines.append(f"| {name} | {_seconds(wall)} | <= {NOTEBOOK_BUDGET_S:.0f} s | "
-                     f"{_status(goals[f'wall_{name}'].met)} | {load} |")
+                     f"{_status(goals[f'wall_{name}'].met)} | {load} | {f'`{commit[:7]}`' if commit else 'unknown'} |")
     total = goals["wall_make_all"]
     lines.append(f"| **make all** (sum) | {_seconds(total.value)} | <= {SUITE_BUDGET_S:.0f} s | "
-                 f"{_status(total.met)} | |")
+                 f"{_status(total.met)} | | |")
     met = [g for g in goals.values() if g.met]
-    intro = (f"Wall time of each notebook's cpu-profile run shown below (recorded by the runner), "
-             f"{len(met)} of {len(goals)} budget rows met.")
+    intro = (f"Wall time of each notebook's cpu-profile run shown below (recorded by the runner, at the commit "
+             f"named: a run at an older commit says nothing of today's code), {len(met)} of {len(goals)} budget "
+             "rows met.")
     return intro + "\n\n" + "\n".join(lines) + "\n"
 
 
