@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from decodelab.constrained.awrs import WEIGHT_DRAWS, awrs_draw
-from decodelab.constrained.distortion import TokenTrie
+from decodelab.constrained.distortion import STOP, TokenTrie, allowed_next
 
-EOS = -1
+EOS = STOP
 
 
 @dataclass
@@ -40,11 +40,7 @@ def awrs_tables(trie: TokenTrie) -> list[AwrsNode]:
         raise ValueError("trie is not scored with forbidden-token log-probs: call distortion.score_trie first")
     out = []
     for node in range(len(trie)):
-        keys = [trie.children[node][tok] for tok in trie.child_logp[node]]
-        logps = list(trie.child_logp[node].values())
-        if trie.complete[node] is not None:
-            keys.append(EOS)
-            logps.append(trie.eos_logp[node])
+        keys, logps = allowed_next(trie, node)
         allowed = np.exp(np.array(logps, dtype=np.float64))
         off = np.exp(np.array(trie.off_logp[node], dtype=np.float64))
         lump = max(0.0, 1.0 - allowed.sum() - off.sum())

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from decodelab.constrained.distortion import TokenTrie, kl, tv
+from decodelab.constrained.distortion import STOP, TokenTrie, allowed_next, kl, tv
 
 CORRECTORS = ("masked", "rejection", "smc", "importance", "asap", "awrs", "awrs_smc")
 # what each method asks of the grammar per sampled token: a full mask (every vocabulary token checked) or
 # checks of single tokens (rejection: the sampled one; AWRS: each draw, counted as the walk goes)
 FULL_MASK = ("masked", "smc", "importance", "asap")
-EOS = -1
+EOS = STOP
 
 
 @dataclass
@@ -46,11 +46,7 @@ def _tables(trie: TokenTrie) -> list[_Node]:
         raise ValueError("trie is not scored: call distortion.score_trie first")
     out = []
     for node in range(len(trie)):
-        keys = [trie.children[node][tok] for tok in trie.child_logp[node]]
-        logps = list(trie.child_logp[node].values())
-        if trie.complete[node] is not None:
-            keys.append(EOS)
-            logps.append(trie.eos_logp[node])
+        keys, logps = allowed_next(trie, node)
         probs = np.exp(np.array(logps, dtype=np.float64))
         out.append(_Node(keys, probs, float(probs.sum())))
     return out

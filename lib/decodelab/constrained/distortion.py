@@ -335,3 +335,17 @@ def task_distortion(model, tokenizer, task: dict, token_bytes: list[bytes | None
         "top_target": max(exact.target, key=exact.target.get), "top_masked": max(exact.masked, key=exact.masked.get),
     }
     return trie, exact, row
+
+
+STOP = -1  # the key of "end here" (EOS) among a node's allowed next steps
+
+
+def allowed_next(trie: TokenTrie, node: int) -> tuple[list[int], list[float]]:
+    """A scored node's allowed next steps: (keys, log-probs), keys the child node ids then STOP when the text
+    so far is already in L (its log p(EOS | node))."""
+    keys = [trie.children[node][tok] for tok in trie.child_logp[node]]
+    logps = list(trie.child_logp[node].values())
+    if trie.complete[node] is not None:
+        keys.append(STOP)
+        logps.append(trie.eos_logp[node])
+    return keys, logps
