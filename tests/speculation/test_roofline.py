@@ -136,3 +136,65 @@ def test_cells_the_model_made_are_predicted_exactly_held_out_and_in_sample():
     assert val.heldout_error == pytest.approx(0.0, abs=1e-3) and val.insample_error == pytest.approx(0.0, abs=1e-3)
     alone = roofline.validate(rows[:1], shape, hw, seed=1)  # one cell: nothing to hold out
     assert alone.n_heldout == 0 and alone.heldout_error is None
+
+
+CALIBRATION = [{"batch": b, "n_tokens": n, "context": 100, "seconds": s * b}
+               for b in (1, 4) for n, s in ((1, 0.01), (2, 0.02), (3, 0.03))]
+
+
+def test_calibrated_seconds_interpolate_the_measured_steps():
+    shape, hw = SHAPES["Qwen2.5-0.5B"], Hardware("hw", peak=5e11, bandwidth=2e10, overhead=2e-3, combine="sum")
+    assert roofline.calibrated_seconds(CALIBRATION, shape, hw, 1, 2, 100) == pytest.approx(0.02)
+    half = [c for c in CALIBRATION if c["n_tokens"] != 2]
+    assert roofline.calibrated_seconds(half, shape, hw, 4, 2, 100) == pytest.approx(0.08)  # linear in n
+    shift = roofline.step_time(shape, hw, 1, 3, 400) / roofline.step_time(shape, hw, 1, 3, 100)
+    assert roofline.calibrated_seconds(CALIBRATION, shape, hw, 1, 3, 400) == pytest.approx(0.03 * shift)
+    assert roofline.calibrated_seconds(CALIBRATION, shape, hw, 1, 5, 100) is None  # beyond the calibrated n
+    assert roofline.calibrated_seconds(CALIBRATION, shape, hw, 16, 2, 100) is None  # batch not calibrated
+    assert roofline.calibrated_seconds(None, shape, hw, 1, 2, 100) is None
+
+
+def _fit_cell(**kw):
+    # batch 1, k = 1, 5 new tokens (N = 4 after the first); verify 0.02 s/step = T(1, 2): loop factor f = 1;
+    # decode_s x speedup / N = 0.012 = 1.2 T(1, 1): g = 1.2; draft 0.001 s/token = 0.1 T(1, 1); tau 1.5 -> a = 0.5
+    cell = {"batch": 1, "drafter": "ngram", "k": 1, "context": 100, "tau": 1.5, "acceptance": [0.5], "steps": 10,
+            "verify_s": 0.2, "decode_s": 0.25, "speedup": 0.192, "new_tokens": 5, "draft_s_per_token": 0.001}
+    return {**cell, **kw}
+
+
+def test_prediction_from_fit_cells_matches_the_hand_computed_value():
+    shape, hw = SHAPES["Qwen2.5-0.5B"], Hardware("hw", peak=5e11, bandwidth=2e10, overhead=2e-3, combine="sum")
+    target = {"batch": 1, "drafter": "ngram", "k": 2, "context": 100}
+    (pred,) = roofline.predict_from([_fit_cell()], [target], shape, hw, calibration=CALIBRATION)
+    # c = (0.5, tail 0.5) -> X in {1, 2, 3} w.p. (1/2, 1/4, 1/4): 2.625 steps for N = 4 tokens;
+    # S = g T(1, 1) / (steps / N (f T(1, 3) + 2 r T(1, 1))) = 1.2 x 0.01 / (0.65625 x (0.03 + 0.002)) = 4 / 7
+    assert pred == pytest.approx(4 / 7, rel=1e-4)
+    # the same cell without calibration steps reads T off the roofline
+    (bare,) = roofline.predict_from([_fit_cell()], [target], shape, hw)
+    t1, t3 = (float(roofline.step_time(shape, hw, 1, n, 100)) for n in (1, 3))
+    f, g = 0.02 / float(roofline.step_time(shape, hw, 1, 2, 100)), 0.012 / t1
+    assert bare == pytest.approx(g * t1 / (0.65625 * (f * t3 + 2 * 0.001)), rel=1e-4)  # r T(1, 1) = 0.001 again
+
+
+def test_a_batch_is_predicted_to_wait_for_its_slowest_row():
+    shape, hw = SHAPES["Qwen2.5-0.5B"], Hardware("hw", peak=5e11, bandwidth=2e10, overhead=2e-3, combine="sum")
+    fit = [_fit_cell(), _fit_cell(batch=4, new_tokens=20, verify_s=0.8, decode_s=1.0)]
+    one, four = roofline.predict_from(fit, [{"batch": b, "drafter": "ngram", "k": 2, "context": 100} for b in (1, 4)],
+                                      shape, hw, calibration=CALIBRATION)
+    assert four < one  # same step-time ratios per batch; only the max over rows of the steps differs
+
+
+def test_no_measurement_of_a_held_out_cell_enters_any_prediction():
+    rows, shape, hw = _cells()
+    rich = [dict(r, acceptance=[0.6] * r["k"], steps=12, verify_s=0.3, decode_s=0.4, new_tokens=9 * r["batch"])
+            for r in rows]
+    cal = [{"batch": b, "n_tokens": n, "context": 200, "seconds": float(roofline.step_time(shape, hw, b, n, 200))}
+           for b in (1, 4, 16) for n in (1, 2, 3, 5)]
+    val = roofline.validate(rich, shape, hw, seed=0, calibration=cal)
+    tampered = [dict(r, tau=9.0, acceptance=[0.01] * r["k"], steps=3, verify_s=5.0, decode_s=7.0, speedup=0.01,
+                     draft_s_per_token=5.0, new_tokens=50 * r["batch"]) if h else r for r, h in zip(rich, val.held_out)]
+    again = roofline.validate(tampered, shape, hw, seed=0, calibration=cal)
+    assert again.held_out == val.held_out and val.n_heldout == 4
+    np.testing.assert_allclose(again.predicted, val.predicted)  # held-out and fit cells alike
+    assert again.heldout_error != val.heldout_error
+    assert not np.allclose(again.predicted_insample, val.predicted_insample)  # the all-cells fit does read them
