@@ -226,3 +226,66 @@ def test_top_p_window_falls_back_to_the_full_sort_on_flat_nan_or_inf_rows():
     assert filters.top_p_window_threshold(x.cuda() if torch.cuda.is_available() else x.to("meta"), 0.9) is None
     ones = filters.top_p_window_threshold(x, torch.tensor([1.0, 0.9], dtype=torch.float64))[0]
     assert ones[0, 0] == NEG_INF and ones[1, 0] > NEG_INF  # top_p = 1 disables the row
+
+
+# ----------------------------------------------------------------------------------------------
+# core.nucleus: the per-row top-p threshold (windows, the reference sort only where a row needs it)
+
+
+def lm_like(seed, batch, vocab=49152, temperatures=(1.0, 1.5, 2.0, 3.0)):
+    """Heavy-tailed rows at several temperatures: peaked rows (small nucleus) and flat ones (most of the row)."""
+    g = torch.Generator().manual_seed(seed)
+    x = -torch.empty(batch, vocab).exponential_(generator=g).log() * torch.linspace(1.0, 4.0, batch).reshape(-1, 1)
+    return x / torch.tensor(temperatures).repeat(batch // len(temperatures) + 1)[:batch].reshape(-1, 1)
+
+
+@pytest.mark.parametrize("top_p", [1e-9, 0.05, 0.5, 0.9, 0.95, 0.99, 1.0])
+def test_top_p_threshold_rows_equals_the_full_sort_bit_for_bit(top_p):
+    from decodelab.core.nucleus import top_p_threshold_rows
+
+    for x in (hard_logits(0), hard_logits(1, batch=16, vocab=300), lm_like(0, 12)):
+        p = torch.full((x.shape[0],), top_p, dtype=torch.float64)
+        assert torch.equal(top_p_threshold_rows(x, p), ref_top_p_threshold(x, p))
+        assert torch.equal(top_p_threshold_rows(x, top_p), ref_top_p_threshold(x, top_p))
+
+
+def test_top_p_threshold_rows_per_row_parameters_and_bad_rows():
+    from decodelab.core.nucleus import top_p_threshold_rows
+
+    x = lm_like(1, 16, vocab=8192)
+    x[3, 5] = float("nan")
+    x[4, 9] = float("inf")
+    x[5] = NEG_INF
+    x[6, 100:] = NEG_INF  # a masked vocabulary
+    p = torch.rand(16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    p[[0, 7]] = 1.0
+    thr, ref = top_p_threshold_rows(x, p), ref_top_p_threshold(x, p)
+    assert torch.equal(thr.isnan(), ref.isnan()) and torch.equal(thr[~ref.isnan()], ref[~ref.isnan()])
+    assert thr[0, 0] == NEG_INF and thr[7, 0] == NEG_INF  # top_p = 1: the row is left alone
+
+
+def test_top_p_threshold_rows_sorts_only_the_rows_the_window_cannot_decide(monkeypatch):
+    from decodelab.core import nucleus
+
+    sorted_rows = []
+    real = nucleus._reference_rows
+    def spy(x, p, rows):
+        sorted_rows.extend(rows.tolist())
+        return real(x, p, rows)
+
+    monkeypatch.setattr(nucleus, "_reference_rows", spy)
+    x = lm_like(3, 8)
+    x[0] = torch.zeros(x.shape[-1])  # a uniform row: its nucleus is 90% of the vocabulary
+    x[1, 17] = 40.0  # one token holds nearly all the mass
+    p = torch.full((8,), 0.9, dtype=torch.float64)
+    assert torch.equal(nucleus.top_p_threshold_rows(x, p), ref_top_p_threshold(x, p))
+    assert 0 in sorted_rows and 1 not in sorted_rows and len(sorted_rows) < 8
+
+
+def test_processed_logits_equal_the_reference_on_flat_and_peaked_rows_mixed_per_row():
+    """The notebook-02 grid shape: top-p, min-p, plain and greedy rows at T = 1..3 in one batch."""
+    rows = [SamplerConfig(top_p=tp, temperature=t) for tp in (0.9, 0.95) for t in (1.0, 1.5, 2.0, 3.0)]
+    rows += [SamplerConfig(min_p=0.05, temperature=3.0), SamplerConfig(temperature=2.0), SamplerConfig(temperature=0.0)]
+    sampler = Sampler(rows)
+    x = lm_like(4, len(rows), temperatures=(1.0,))
+    assert torch.equal(sampler.process(x), ref_run(sampler, x)[0])

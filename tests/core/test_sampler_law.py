@@ -172,3 +172,38 @@ def test_the_sparse_draw_over_few_kept_ids_has_the_law_and_maps_u_as_the_dense_o
     ref, margin = ref_draw(masked, u)
     clear = margin > 1e-6
     assert torch.equal(sample_inverse_cdf(x, u, thr)[clear], ref[clear])
+
+
+def test_a_batch_of_sparse_and_dense_rows_maps_u_as_the_float64_reference():
+    """Each row takes its own path (kept ids alone when few, else the dense search): tokens equal the
+    float64 reference away from interval boundaries, and no removed token is drawn."""
+    x = hard_logits(5, batch=24, vocab=2000)
+    x = x[torch.isfinite(x).any(-1)]
+    thr = min_p_threshold(x, torch.tensor([0.3, 0.0] * (x.shape[0] // 2) + [0.3] * (x.shape[0] % 2)))
+    masked = x.masked_fill(x < thr, NEG_INF)
+    counts = torch.isfinite(masked).sum(-1)
+    assert (counts * 16 <= x.shape[-1]).any() and (counts * 16 > x.shape[-1]).any()  # both paths in one batch
+    for seed in range(5):
+        u = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(seed))
+        ours = sample_inverse_cdf(x, u, thr)
+        ref, margin = ref_draw(masked, u)
+        clear = margin > 1e-6
+        assert torch.equal(ours[clear], ref[clear])
+        assert torch.isfinite(masked.gather(-1, ours.reshape(-1, 1))).all()
+
+
+def test_greedy_rows_are_drawn_apart_and_sampled_rows_keep_their_law():
+    """A mixed batch: greedy rows give the raw argmax; the sampled rows' tokens are the inverse CDF of
+    the processed logits with the same uniforms (away from rounding boundaries)."""
+    x = hard_logits(6, batch=12, vocab=3000)[:-3]
+    configs = [SamplerConfig(temperature=0.0), SamplerConfig(top_p=0.9, temperature=1.5), SamplerConfig(min_p=0.1)] * 3
+    sampler = Sampler(configs)
+    processed = sampler.process(x)
+    greedy = torch.tensor([c.is_greedy for c in configs])
+    for seed in range(4):
+        u = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(seed))
+        tokens = sampler.sample(x, [_Fixed(v) for v in u])
+        assert torch.equal(tokens[greedy], x[greedy].argmax(-1))
+        ref, margin = ref_draw(processed[~greedy], u[~greedy])
+        clear = margin > 1e-6
+        assert torch.equal(tokens[~greedy][clear], ref[clear])

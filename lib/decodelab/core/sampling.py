@@ -7,15 +7,18 @@ a chosen stage order over a batch whose rows may each have their own :class:`Sam
 Apart from typical sampling every filter is a threshold on the logit. Cost: nothing sorts the whole
 vocabulary unless it must. Temperature and min-p need no sort (min-p is a threshold on the row's max);
 top-k reads its k-th largest value from the values above a one-pass lower bound
-(``filters.chunk_max_bound``); top-p reads its cut from a window of the largest values that provably
-holds the nucleus (``filters.top_p_window_threshold``), falling back to the full sort only for flat
-rows, where the window would be most of the row. A stage that has such a sorted window keeps it
-consistent with the logits, so later stages read it too. The last threshold of the pipeline is not
-applied as a masked copy: the draw applies it (``sample_inverse_cdf(x, u, threshold)``).
+(``filters.chunk_max_bound``); top-p on CPU takes each row's threshold from a window of its largest
+values that provably holds the nucleus, checked exactly, and sorts only the rows no window decides
+(flat rows, or a boundary within rounding of the float32 reference): ``nucleus.top_p_threshold_rows``,
+bit for bit the full-sort threshold. The last threshold of the pipeline is not applied as a masked
+copy: the draw applies it (``sample_inverse_cdf(x, u, threshold)``), each row over its kept ids alone
+when they are few. In a batch mixing greedy and sampled rows, ``sample`` takes the greedy rows' argmax
+apart and runs the pipeline on the sampled rows only (the same thresholds and law per row).
 
-The draw (``sample_inverse_cdf``) needs no sort: head-first inverse CDF (the argmax, then the other
-tokens in vocabulary order), P(token i) = softmax(processed logits)_i up to float rounding. (Until issue 15
-it ranked tokens by probability, a full sort per row: the same seed now draws other tokens, same law.)
+The draw (``sample_inverse_cdf``, in :mod:`decodelab.core.draw`) needs no sort: head-first inverse CDF
+(the argmax, then the other tokens in vocabulary order), P(token i) = softmax(processed logits)_i up to
+float rounding. (Until issue 15 it ranked tokens by probability, a full sort per row: the same seed now
+draws other tokens, same law.)
 
 Common random numbers: ``Sampler.sample`` draws exactly one uniform u per row from the passed generator
 (also for greedy rows) and maps it to a token by that inverse CDF. Two samplers given generators in the
@@ -33,9 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
+from decodelab.core.draw import _mask_below_, argmax_rows, sample_inverse_cdf
 from decodelab.core.filters import (
     _WINDOW_FRACTION,
     NEG_INF,
@@ -55,9 +58,9 @@ from decodelab.core.filters import (
     top_k_threshold,
     top_p_filter,
     top_p_threshold,
-    top_p_window_threshold,
     typical_filter,
 )
+from decodelab.core.nucleus import top_p_threshold_rows
 
 __all__ = [  # the filters are re-exported: callers import every sampling name from here
     "HF_ORDER", "NEG_INF", "STAGES", "VLLM_ORDER", "Sampler", "SamplerConfig", "apply_temperature",
@@ -76,107 +79,6 @@ HF_ORDER = STAGES
 VLLM_ORDER = ("temperature", "min_p", "top_k", "top_p", "typical_p", "epsilon", "eta")
 # A row with this value leaves the stage a no-op.
 _NEUTRAL = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon=0.0, eta=0.0)
-
-
-# the draw takes the kept tokens' ids when they are at most 1 / this of the batch's entries
-_SPARSE_FRACTION = 16
-# ids per chunk of the draw's two-level search: (64, 49152) logits give 192 chunk sums per row
-_CHUNK = 256
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """(B, V) -> (B,) long: each row's first maximal index, as ``torch.argmax`` (numpy's on CPU: for
-    (64, 49152) float32 ~10x faster than torch's, which matters in greedy decoding's per-step path)."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        return torch.from_numpy(np.argmax(logits.detach().contiguous().numpy(), axis=-1).astype(np.int64))
-    return logits.argmax(dim=-1)
-
-
-# ----------------------------------------------------------------------------------------------
-# sampling
-
-
-def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, V) logits, (B,) uniforms in [0, 1) -> (B,) long token ids drawn from softmax(logits), no sort.
-
-    Head-first inverse CDF: the row's argmax a (its first maximal id) comes first, then every other
-    token in vocabulary order. With weights w_i = exp(x_i - x_a) (w_a = 1, removed tokens 0) and
-    C = sum_i w_i, a is picked when u C < 1, else the first token i != a with 1 + c_i > u C, where c_i
-    sums the non-head weights up to id i. P(i) = w_i / C (up to float rounding), so the law is
-    softmax(logits) exactly as a sort-based draw; only which token a given u maps to differs.
-    `threshold` (B, 1), optional: tokens with x_i < threshold count as removed (weight 0), the same as
-    masking them to -inf first, without the masked copy (a pipeline's last threshold stage is deferred here).
-    The search is two-level: per-chunk sums of w (chunks of _CHUNK ids), their cumulative sum in float64,
-    then a cumulative sum inside the one chunk picked. A picked token always has w_i > 0: each search
-    takes the first entry whose cumulative sum exceeds the target, and is clamped to the last entry
-    that still increases it (where rounding leaves the target at or past the end).
-    """
-    x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
-    B, V = x.shape
-    head = argmax_rows(x).to(x.device).reshape(B, 1)
-    m = x.gather(-1, head)
-    if threshold is not None and x.device.type == "cpu" and bool(torch.isfinite(m).all()):
-        keep = x.detach().contiguous().numpy() >= threshold.detach().numpy()
-        if np.count_nonzero(keep) * _SPARSE_FRACTION <= keep.size:
-            return _sparse_draw(x.detach().contiguous().numpy(), keep, head, m, u)
-    w = torch.sub(x, torch.where(torch.isfinite(m), m, 0.0))  # rows without a finite max: drawn as the head
-    w.exp_()
-    if threshold is not None:
-        _fill_below_(w, x, threshold, 0.0)
-    w.scatter_(-1, head, 0.0)  # the head's weight 1 is handled apart: it comes first
-    width = _CHUNK if V >= 4 * _CHUNK else V
-    pad = (-V) % width
-    chunks = (torch.nn.functional.pad(w, (0, pad)) if pad else w).view(B, -1, width)
-    chunk_cum = chunks.sum(-1).double().cumsum_(-1)  # (B, n_chunks) non-head mass up to each chunk's end
-    rest = chunk_cum[:, -1:]  # (B, 1) C - 1
-    target = u.to(x.device, torch.float64).reshape(B, 1) * (1 + rest) - 1  # < 0: the head
-    c = _first_exceeding(chunk_cum, target)
-    before = torch.where(c > 0, chunk_cum.gather(-1, (c - 1).clamp(min=0)), 0.0)
-    inside = chunks.gather(1, c.unsqueeze(-1).expand(B, 1, width)).squeeze(1).double().cumsum_(-1)
-    token = c * width + _first_exceeding(inside, target - before)
-    pick_head = (target < 0) | (rest <= 0) | ~torch.isfinite(m)
-    return torch.where(pick_head, head, token).reshape(B)
-
-
-def _sparse_draw(xn: np.ndarray, keep: np.ndarray, head: torch.Tensor, m: torch.Tensor, u: torch.Tensor):
-    """-> (B,) long: the same head-first inverse CDF over only the kept ids (keep (B, V) bool, few True): their
-    weights, in vocabulary order row after row, and one float64 cumulative sum over all of them (it
-    increases across rows, so one search finds each row's token), clamped to the row's last id with w > 0."""
-    rows, cols = np.divmod(np.flatnonzero(keep), keep.shape[1])  # ids ascending within each row
-    w = np.exp(xn[rows, cols].astype(np.float64) - m.numpy()[rows, 0])
-    w[cols == head.numpy()[rows, 0]] = 0.0  # the head comes first, apart
-    cum = np.cumsum(w)
-    end = np.cumsum(np.bincount(rows, minlength=xn.shape[0]))  # one past each row's last kept id
-    start = end - np.bincount(rows, minlength=xn.shape[0])
-    base = np.where(start > 0, cum[np.maximum(start - 1, 0)], 0.0)
-    rest = cum[end - 1] - base  # every row keeps its head, so end > start
-    target = u.numpy().astype(np.float64) * (1 + rest) - 1  # < 0: the head
-    last = np.searchsorted(cum, cum[end - 1], side="left")  # the row's last id that adds weight
-    pos = np.minimum(np.searchsorted(cum, base + target, side="right"), last)
-    tokens = np.where((target < 0) | (rest <= 0), head.numpy()[:, 0], cols[np.clip(pos, 0, cols.size - 1)])
-    return torch.from_numpy(tokens.astype(np.int64))
-
-
-def _first_exceeding(cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """(B, n) non-decreasing, (B, 1) -> (B, 1): the first index with cum > target, clamped to the first
-    index holding the row's total (the last one that increases the sum, so its own weight is > 0)."""
-    first = torch.searchsorted(cum, target.contiguous(), right=True)
-    last = torch.searchsorted(cum, cum[:, -1:].contiguous(), right=False)
-    return torch.minimum(first, last)
-
-
-def _fill_below_(out: torch.Tensor, x: torch.Tensor, thr: torch.Tensor, value: float) -> None:
-    """In place: out[x < thr] = value, out and x (B, V), thr (B, 1); numpy's masked copy on CPU (~3x
-    faster than torch's masked_fill)."""
-    if out.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and out.is_contiguous():
-        np.copyto(out.numpy(), value, where=x.detach().contiguous().numpy() < thr.detach().cpu().numpy())
-    else:
-        out.masked_fill_(x < thr.to(x.device), value)
-
-
-def _mask_below_(x: torch.Tensor, thr: torch.Tensor) -> None:
-    """In place: x[x < thr] = -inf, (B, V) and (B, 1) (numpy promotes the compare as torch does)."""
-    _fill_below_(x, x, thr, NEG_INF)
 
 
 def draw_uniforms(generator, batch_size: int, device=None) -> torch.Tensor:
@@ -286,6 +188,12 @@ class Sampler:
         self.is_greedy = bool(self._greedy_rows.all())
         self._any_greedy = bool(self._greedy_rows.any())
         self._on: dict = {}
+        # sample() draws the sampled rows of a mixed batch with a sampler of their own (greedy rows take
+        # the argmax apart): the same thresholds and law per row, without masking greedy rows to one-hot
+        self._sampled = None
+        if self._any_greedy and not self.is_greedy:
+            keep = (~self._greedy_rows).nonzero().reshape(-1)
+            self._sampled = (keep, Sampler([self.configs[int(i)] for i in keep], order=self.order))
 
     def __repr__(self) -> str:
         labels = sorted({c.label() for c in self.configs})
@@ -338,8 +246,9 @@ class Sampler:
             thr = None
             if stage == "top_p" and sa is None:
                 # a window of the largest values that provably holds every row's nucleus: no full sort
-                thr, sa = top_p_window_threshold(x, p["top_p"]) or (None, None)
-                if thr is None:
+                if x.device.type == "cpu":  # per row: a window that holds the nucleus, or the row's sort
+                    thr = top_p_threshold_rows(x, p["top_p"])
+                else:
                     sa = sorted_kept(x)
             if stage == "top_k" and sa is None and x.device.type == "cpu":
                 # every value >= a lower bound on the k-th largest: a window holding each row's top k,
@@ -394,5 +303,12 @@ class Sampler:
         u = draw_uniforms(generator, logits.shape[0], logits.device)
         if self.is_greedy:
             return argmax_rows(logits)
+        if self._sampled is not None:
+            rows, sampler = self._sampled
+            rows = rows.to(logits.device)
+            tokens = argmax_rows(logits).to(logits.device)
+            x, thr = sampler._run(logits[rows], defer_last=True)
+            tokens[rows] = sample_inverse_cdf(x, u[rows], thr).to(tokens.device)
+            return tokens
         x, thr = self._run(logits, defer_last=True)
         return sample_inverse_cdf(x, u, thr)
