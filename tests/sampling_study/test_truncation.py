@@ -57,3 +57,17 @@ def test_collect_step_logits_equal_teacher_forced_logits(tiny):
         expected.append(full[len(p) - 1 : len(p) - 1 + len(c)])
     assert torch.allclose(got, torch.cat(expected).float(), atol=1e-4)
 
+
+
+def test_sampler_cost_times_real_logits_of_the_prompts():
+    from decodelab.core.models import tiny_model
+    from decodelab.core.sampling import Sampler, SamplerConfig
+
+    model = tiny_model()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    rows = truncation.sampler_cost(model, {"top_p": Sampler(SamplerConfig(top_p=0.9))}, prompts, repeats=2)
+    (row,) = rows
+    assert row["batch_size"] == 2 and row["context"] == 4.0
+    assert row["ratio"] == pytest.approx(row["sample_s"] / row["step_s"])
+    with pytest.raises(ValueError, match="at least one prompt"):
+        truncation.sampler_cost(model, {}, [], repeats=1)

@@ -174,35 +174,37 @@ def kept_set_disagreement(logits: torch.Tensor, config, order_a="hf", order_b="v
 
 
 @torch.no_grad()
-def sampler_cost(model, samplers: dict, *, batch_size: int = 64, context: int = 256, repeats: int = 5,
-                 seed: int = 0) -> list[dict]:
-    """Seconds per `Sampler.sample` call on real-size logits (B, V), for each {name: Sampler}, against one
-    engine decode step at batch B with `context` cached positions per row; the best of `repeats` each
-    (the least disturbed by other load).
+def sampler_cost(model, samplers: dict, prompts: list[list[int]], *, repeats: int = 5, seed: int = 0) -> list[dict]:
+    """Seconds per `Sampler.sample` call on real logits (B, V), for each {name: Sampler}, against one engine
+    decode step over the same B = len(prompts) rows; the best of `repeats` each (the least disturbed by
+    other load), the two timed in alternating order by one clock.
 
-    The cache is not prefilled (its entries are zeros with lengths set to `context`): a decode step
-    costs the same whatever the cached values, and skipping the prefill saves B * context tokens of
-    compute. The logits sampled are the ones that step returns.
-    -> [{sampler, batch_size, vocab_size, context, sample_s, step_s, ratio}]
+    The prompts are prefilled and the logits sampled are those of the decode step that follows: the
+    distributions this notebook's runs sample from (a cache of zeros gives near-flat logits whose top-p
+    nucleus holds thousands of tokens, which no real prompt here does, and would misstate top-p's cost).
+    The step is rolled back after each call, so every call sees the same context.
+    -> [{sampler, batch_size, vocab_size, context, sample_s, step_s, ratio}], context = mean prompt length
     """
-    from decodelab.common.timing import best_time
-    from decodelab.core.engine import as_transformer, decode_step
+    from decodelab.common.timing import alternating_times
+    from decodelab.core.engine import as_transformer, decode_step, prefill
 
+    if not prompts:
+        raise ValueError("sampler_cost needs at least one prompt (its rows are the benchmark's batch)")
     tr = as_transformer(model)
-    cache = tr.new_cache(batch_size, context + repeats + 2)
-    cache.advance(torch.full((batch_size,), context, dtype=torch.long, device=tr.device))  # unwritten: see above
-    tokens = torch.randint(0, tr.vocab_size, (batch_size,), generator=torch.Generator().manual_seed(seed)).to(tr.device)
-    logits = decode_step(tr, cache, tokens)
-    gens = [torch.Generator(device=tr.device).manual_seed(seed + r) for r in range(batch_size)]
+    cache, first = prefill(tr, prompts, max_new_tokens=1)
+    tokens, lengths = first.argmax(dim=-1), cache.lengths.clone()
 
-    step_s = best_time(lambda: decode_step(tr, cache, tokens), repeats, tr.device)
-    rows = []
-    for name, sampler in samplers.items():
-        def one_sample(sampler=sampler):
-            sampler.sample(logits, gens)
+    def step():
+        out = decode_step(tr, cache, tokens)
+        cache.truncate(lengths)
+        return out
 
-        one_sample()  # warm up
-        sample_s = best_time(one_sample, repeats, tr.device)
-        rows.append({"sampler": name, "batch_size": batch_size, "vocab_size": int(logits.shape[-1]),
-                     "context": context, "sample_s": sample_s, "step_s": step_s, "ratio": sample_s / step_s})
-    return rows
+    logits = step()
+    gens = [torch.Generator(device=tr.device).manual_seed(seed + r) for r in range(len(prompts))]
+    calls = {"step": step, **{name: (lambda s=sampler: s.sample(logits, gens)) for name, sampler in samplers.items()}}
+    times = alternating_times(calls, repeats, tr.device)
+    step_s = min(times.pop("step"))
+    context = float(lengths.float().mean())
+    return [{"sampler": name, "batch_size": len(prompts), "vocab_size": int(logits.shape[-1]), "context": context,
+             "sample_s": min(seconds), "step_s": step_s, "ratio": min(seconds) / step_s}
+            for name, seconds in times.items()]
