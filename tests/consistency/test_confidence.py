@@ -119,7 +119,31 @@ def test_online_vote_discards_stopped_traces_and_counts_their_tokens():
     confidences = [[3.0, 3.0, 3.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 5.0]]
     # Threshold from warm-up trace 0 alone: 3.0; traces 1 and 2 stop at their first full window (token 2).
     out = conf.online_vote(answers, confidences, [0, 1, 2], window=2, n_warmup=1, keep=0.9)
-    assert out == {"answer": 1, "tokens": 3 + 2 + 2, "n_stopped": 2, "threshold": 3.0}
+    assert out == {"answer": 1, "tokens": 3 + 2 + 2, "n_stopped": 2, "threshold": 3.0, "samples": 3}
+
+
+def test_online_consensus_stops_drawing_once_the_leader_holds_the_share():
+    answers = [7, 7, 4, 7, 4]
+    confidences = [[2.0, 2.0]] * 5
+    # Two agreeing warm-up traces: the leader holds all votes, so tau = 0.95 draws nothing more.
+    out = conf.online_vote(answers, confidences, [0, 1, 2, 3, 4], window=2, n_warmup=2, consensus=0.95)
+    assert out["samples"] == 2 and out["tokens"] == 4 and out["answer"] == 7
+    # A split warm-up (1 of 2 = 0.5 < 0.6) draws on until the leader reaches 0.6: 7, 4, 7 -> 2/3 after 3.
+    out = conf.online_vote(answers, confidences, [0, 2, 1, 3, 4], window=2, n_warmup=2, consensus=0.6)
+    assert out["samples"] == 3 and out["answer"] == 7
+    # consensus=None (and any tau that is never reached) draws the whole stream: the rule without it.
+    full = conf.online_vote(answers, confidences, [0, 2, 1, 3, 4], window=2, n_warmup=2)
+    assert full["samples"] == 5 and full == conf.online_vote(answers, confidences, [0, 2, 1, 3, 4], window=2,
+                                                              n_warmup=2, consensus=1.0) | {"samples": 5}
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5])
+def test_consensus_outside_its_range_is_refused_naming_the_parameter(bad):
+    from decodelab.consistency import deepconf
+
+    with pytest.raises(ValueError, match="confidence_consensus"):
+        deepconf.check_settings(window=2, max_new_tokens=8, keeps=[0.9], n_warmup=2, pool_size=8, top_k=5,
+                                consensus=bad)
 
 
 def test_stops_from_precomputed_groups_equal_first_stop():

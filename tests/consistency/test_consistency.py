@@ -241,16 +241,47 @@ def test_hf_sampling_kwargs_refuse_what_transformers_cannot_match():
         hf_sampling_kwargs(Sampler(SamplerConfig(top_k=3, min_p=0.1), order="vllm"))
 
 
+class _NoModel:
+    device = "cpu"
+
+
+class _FakePeak:
+    """Stands in for PeakMemory: the n-th block entered reads n bytes."""
+    entered = 0
+
+    def __init__(self, device):
+        pass
+
+    def __enter__(self):
+        _FakePeak.entered += 1
+        self.peak_bytes, self.how = 6 + _FakePeak.entered, "fake"
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_sweep_points_are_the_two_plotted_curves():
+    from decodelab.consistency.cost import sweep_points
+
+    assert sweep_points([256, 1024], [1, 4, 16]) == [(256, 16), (1024, 1), (1024, 4), (1024, 16)]
+    assert len(sweep_points([256, 1024], [1, 4, 16], full_grid=True)) == 6
+    assert sweep_points([48], [2]) == [(48, 2)]
+
+
 def test_timed_repeats_interleave_the_methods(monkeypatch):
     from decodelab.consistency import cost as cc
 
     calls = []
     monkeypatch.setattr(cc, "time_method", lambda model, m, *a, **k: (calls.append(m) or 1.0 + len(calls),
                                                                       cc.MethodOutput([[0]], 8)))
-    monkeypatch.setattr(cc, "peak_memory", lambda *a, **k: (0, "none"))
+    monkeypatch.setattr(cc, "PeakMemory", _FakePeak)
+    _FakePeak.entered = 0
     monkeypatch.setattr("decodelab.core.shared_prefix.kv_bytes_per_token", lambda model: 1)
-    rows = cc.measure_point(None, ["a", "b", "c"], [1, 2], 1, new_tokens=1, repeats=3)
+    rows = cc.measure_point(_NoModel(), ["a", "b", "c"], [1, 2], 1, new_tokens=1, repeats=3)
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # each method goes first once
+    # Peak memory is read on the last round's timed calls: no extra call, one reading per method.
+    assert {r["method"]: r["peak_bytes"] for r in rows} == {"c": 7, "a": 8, "b": 9}
     by = {r["method"]: r for r in rows}
     assert (by["a"]["seconds"], by["a"]["seconds_median"], by["a"]["seconds_max"]) == (2.0, 7.0, 9.0)  # calls 1, 6, 8
     assert by["a"]["seconds_spread"] == 3.5

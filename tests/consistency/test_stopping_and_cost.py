@@ -69,6 +69,23 @@ def test_early_stopping_charges_the_smallest_measured_batch_that_holds_the_sampl
     assert one_sample.with_early_stopping(_rows(), samples_used=3.0, pool=16)[2]["measured_at_n"] == 4
 
 
+def test_stopped_batch_rounds_the_rule_share_up_within_one_and_n():
+    assert one_sample.stopped_batch(16, 11.3167, 16) == 12
+    assert one_sample.stopped_batch(16, 8.0, 16) == 8  # exact: no rounding up past it
+    assert one_sample.stopped_batch(4, 0.1, 16) == 1 and one_sample.stopped_batch(64, 16.0, 16) == 64
+    assert one_sample.stopped_batches([1, 4, 16, 64], 11.3167, 16) == [1, 3, 4, 12, 16, 46, 64]
+    with pytest.raises(ValueError, match="samples_used"):
+        one_sample.stopped_batch(16, 17.0, 16)
+
+
+def test_early_stopping_is_charged_its_own_measured_batch():
+    rows = _rows() + [{**_rows()[2], "n": 12, "seconds": 2.7, "ratio": 1.35}]
+    out = one_sample.with_early_stopping(rows, samples_used=11.3, pool=16, n_values=[1, 4, 16, 64])
+    assert [r["n"] for r in out] == [1, 4, 16, 64]  # only the requested rows are reported
+    at16 = next(r for r in out if r["n"] == 16)
+    assert at16["measured_at_n"] == 12 and at16["ratio"] == 1.35  # the batch of 12, not the next n = 16
+
+
 def test_sc_goal_rows_judge_the_measured_ratios():
     rows = _rows()
     goals = {g.name: g for g in one_sample.goals(rows, one_sample.with_early_stopping(rows, 4.0, 16), "rule")}

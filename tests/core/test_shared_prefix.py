@@ -260,3 +260,49 @@ def test_select_refuses_rows_out_of_order_or_range(tiny):
     for rows in ([3, 1], [0, 0], [6]):
         with pytest.raises(ValueError, match="increasing distinct rows"):
             cache.select(rows)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_fused_block_attention_equals_the_explicit_path(with_mask):
+    # The fused CPU kernel's (out, lse) equal partial_attention's in float32, an empty query row included
+    # (lse -inf, so the merge gives it zero weight; the kernel itself returns 0 there).
+    from decodelab.core.shared_prefix import block_attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, m, 16, generator=g) for m in (5, 40, 40))
+    visible = None
+    if with_mask:
+        visible = torch.rand(2, 1, 5, 40, generator=g) < 0.6
+        visible[0, 0, 2] = False  # a query that sees no key of this block
+    out, lse = block_attention(q, k, v, visible, 0.25)
+    want_out, want_lse = partial_attention(q, k, v, visible, 0.25)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prefix_attention_equals_per_row_attention_at_decode_shapes():
+    # One decode step of 16 rows over a 300-token shared prompt (the embedded model's heads: 9 query, 3 KV),
+    # float32 through the fused path: equal to standard attention over each row's own copy to 1e-5.
+    g = torch.Generator().manual_seed(7)
+    n, prefix_len, suffix_len = 16, 300, 9
+    q = torch.randn(n, 9, 1, 64, generator=g)
+    pk, pv = (torch.randn(1, 3, prefix_len, 64, generator=g) for _ in range(2))
+    sk, sv = (torch.randn(n, 3, suffix_len, 64, generator=g) for _ in range(2))
+    for suffix_mask in (None, torch.ones(n, 1, suffix_len, dtype=torch.bool)):
+        got = shared_prefix_attention(q, pk, pv, sk, sv, suffix_mask, row_counts=[n])
+        want = _reference(q, pk, pv, torch.ones(1, prefix_len, dtype=torch.bool), sk, sv,
+                          torch.ones(n, 1, suffix_len, dtype=torch.bool), [n])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_is_exact_softmax_over_the_union():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 3, 4, dtype=torch.float64, generator=g), torch.randn(2, 9, 4, dtype=torch.float64,
+                                                                                generator=g), \
+        torch.randn(2, 9, 4, dtype=torch.float64, generator=g)
+    ones = lambda s: torch.ones(2, 3, s, dtype=torch.bool)  # noqa: E731
+    a, b, whole = partial_attention(q, k[:, :4], v[:, :4], ones(4), 1.0), \
+        partial_attention(q, k[:, 4:], v[:, 4:], ones(5), 1.0), partial_attention(q, k, v, ones(9), 1.0)
+    torch.testing.assert_close(merge_attention(*a, *b), whole[0], rtol=1e-12, atol=1e-12)

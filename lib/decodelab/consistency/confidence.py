@@ -197,24 +197,47 @@ def stop_from_groups(groups: np.ndarray, length: int, window: int, threshold: fl
     return int(window + below.argmax()) if bool(below.any()) else None
 
 
+def check_consensus(consensus) -> float | None:
+    """DeepConf's adaptive-sampling threshold tau: None (draw the whole budget) or a vote share in (0, 1]."""
+    if consensus is not None and not 0 < float(consensus) <= 1:
+        raise ValueError(f"consensus={consensus!r} must be None (never stop drawing) or a vote share in (0, 1]")
+    return None if consensus is None else float(consensus)
+
+
+def consensus_share(answers: Sequence, voters: Sequence[int], weights: Sequence[float] | None) -> float:
+    """beta = V(leader) / sum_a V(a): the leader's share of the (confidence-weighted) votes; 0 with no votes."""
+    scores = majority_vote([answers[j] for j in voters] or [None],
+                           [weights[j] for j in voters] if weights is not None and voters else None).scores
+    total = sum(scores.values())
+    return max(scores.values()) / total if total > 0 else 0.0
+
+
 def online_vote(answers: Sequence, confidences: Sequence[Sequence[float]], order: Sequence[int], *, window: int,
                 n_warmup: int, keep: float = 0.9, threshold: float | None = None, weighted: bool = True,
-                profiles=None) -> dict:
+                consensus: float | None = None, profiles=None) -> dict:
     """DeepConf online on one problem's sample stream `order` (indices into answers / confidences, the full
     unstopped traces): the first n_warmup run to the end and set the threshold (`warmup_threshold`, or
     `threshold` when given); a warm-up trace below it does not vote; every later trace stops at its
     `first_stop` and is discarded, or runs to the end and votes. The vote weighs each voter by its trace
     confidence (weighted=False: one each; with threshold NEVER_STOP that is plain majority over the stream).
+    consensus (the paper's adaptive sampling, tau = 0.95 there): before each trace after the warm-up, stop
+    drawing once the leader holds >= consensus of the votes (`consensus_share`); None draws the whole stream.
     profiles: `trace_profiles(confidences, window)`, when replaying many orders.
-    -> {answer, tokens (generated, stopped traces counted to their stop), n_stopped, threshold}."""
+    -> {answer, tokens (generated, stopped traces counted to their stop), n_stopped, threshold, samples
+    (traces started)}."""
     if not 1 <= n_warmup <= len(order):
         raise ValueError(f"n_warmup={n_warmup!r} must be in [1, {len(order)}] (the samples in the stream)")
+    consensus = check_consensus(consensus)
     profiles = trace_profiles(confidences, window) if profiles is None else profiles
     s = (warmup_threshold([profiles[j][1] for j in order[:n_warmup]], keep) if threshold is None
          else check_threshold(threshold))
     voters = [j for j in order[:n_warmup] if profiles[j][1] >= s]
-    tokens, n_stopped = sum(profiles[j][2] for j in order[:n_warmup]), 0
+    tokens, n_stopped, started = sum(profiles[j][2] for j in order[:n_warmup]), 0, n_warmup
+    trace_weights = [p[1] for p in profiles] if weighted else None
     for j in order[n_warmup:]:
+        if consensus is not None and consensus_share(answers, voters, trace_weights) >= consensus:
+            break
+        started += 1
         groups, _, length = profiles[j]
         stop = stop_from_groups(groups, length, window, s)
         if stop is None:
@@ -225,7 +248,8 @@ def online_vote(answers: Sequence, confidences: Sequence[Sequence[float]], order
             n_stopped += 1
     picked = [answers[j] for j in voters] or [None]
     weights = [profiles[j][1] for j in voters] if weighted and voters else None
-    return {"answer": majority_vote(picked, weights).answer, "tokens": tokens, "n_stopped": n_stopped, "threshold": s}
+    return {"answer": majority_vote(picked, weights).answer, "tokens": tokens, "n_stopped": n_stopped, "threshold": s,
+            "samples": started}
 
 
 def online_rule(answers: Sequence, confidences: Sequence[Sequence[float]], *, window: int, **settings):
@@ -234,7 +258,7 @@ def online_rule(answers: Sequence, confidences: Sequence[Sequence[float]], *, wi
 
     def rule(order):
         out = online_vote(answers, confidences, order, window=window, profiles=profiles, **settings)
-        return len(order), out["tokens"], out["answer"]
+        return out["samples"], out["tokens"], out["answer"]
     return rule
 
 

@@ -11,6 +11,7 @@ clock around the whole call; repeats are interleaved across methods and the mini
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,7 +143,9 @@ def peak_memory(model, method: str, prompt: list[int], n: int, *, new_tokens: in
 def measure_point(model, methods: Sequence[str], prompt: list[int], n: int, *, new_tokens: int, sampler=None,
                   seed: int = 0, repeats: int = 3) -> list[dict]:
     """Every method at one (prompt, n): `repeats` timed calls each, interleaved (repeat r runs the methods
-    in an order rotated by r, so none always goes first), then one untimed call each for peak memory.
+    in an order rotated by r, so none always goes first); peak memory is read on the last round's calls
+    (`PeakMemory` around the timed call: its garbage collection and allocator trim run before the clock
+    starts), so no extra call is paid for it (at a 1024-token prompt and n = 16 a baseline call is ~30 s).
 
     -> one row per method: {method, prompt_len, n, new_tokens, repeats, seconds (min), seconds_median,
     seconds_max, seconds_spread ((max - min) / min), cache_bytes (measured), kv_bytes_analytic, peak_bytes,
@@ -155,15 +158,19 @@ def measure_point(model, methods: Sequence[str], prompt: list[int], n: int, *, n
     methods = list(methods)
     times: dict = {m: [] for m in methods}
     outputs: dict = {}
+    peaks: dict = {}
     for r in range(repeats):
         for method in methods[r % len(methods):] + methods[:r % len(methods)]:
-            seconds, outputs[method] = time_method(model, method, prompt, n, new_tokens=new_tokens,
-                                                   sampler=sampler, seed=seed)
+            with PeakMemory(model.device) if r == repeats - 1 else nullcontext() as memory:
+                seconds, outputs[method] = time_method(model, method, prompt, n, new_tokens=new_tokens,
+                                                       sampler=sampler, seed=seed)
             times[method].append(seconds)
+            if memory is not None:
+                peaks[method] = (memory.peak_bytes, memory.how)
     per_token = kv_bytes_per_token(model)
     rows = []
     for method in methods:
-        peak, how = peak_memory(model, method, prompt, n, new_tokens=new_tokens, sampler=sampler, seed=seed)
+        peak, how = peaks[method]
         t = np.asarray(times[method])
         rows.append({"method": method, "prompt_len": len(prompt), "n": n, "new_tokens": new_tokens,
                      "repeats": repeats, "seconds": float(t.min()), "seconds_median": float(np.median(t)),
@@ -175,18 +182,29 @@ def measure_point(model, methods: Sequence[str], prompt: list[int], n: int, *, n
     return rows
 
 
+def sweep_points(prompt_lengths: Sequence[int], n_values: Sequence[int], *, full_grid: bool = False) -> list[tuple]:
+    """The (prompt_len, n) points of the cost sweep: every n at the longest prompt and every prompt length at
+    the largest n (the two curves the notebook plots; the goal point is their corner), or with full_grid
+    every pair. -> sorted [(prompt_len, n)]"""
+    if full_grid:
+        return sorted({(length, n) for length in prompt_lengths for n in n_values})
+    longest, largest = max(prompt_lengths), max(n_values)
+    return sorted({(longest, n) for n in n_values} | {(length, largest) for length in prompt_lengths})
+
+
 def cost_sweep(model, prompt_lengths: Sequence[int], n_values: Sequence[int], *, new_tokens: int = 32,
                methods: Sequence[str] = COST_METHODS, baseline_max_tokens: int | None = None, sampler=None,
-               seed: int = 0, repeats: int = 3, progress: bool = True) -> list[dict]:
-    """`measure_point` over prompt lengths x n. Baselines (every method but shared) are skipped where
-    n * prompt_len > baseline_max_tokens (they prefill the prompt n times). Each method is warmed up once on
-    a short prompt first, so one-time setup is not charged to the first point."""
+               seed: int = 0, repeats: int = 3, progress: bool = True, full_grid: bool = False) -> list[dict]:
+    """`measure_point` at `sweep_points(prompt_lengths, n_values, full_grid=...)`. Baselines (every method
+    but shared) are skipped where n * prompt_len > baseline_max_tokens (they prefill the prompt n times).
+    Each method is warmed up once on a short prompt first, so one-time setup is not charged to the first
+    point."""
     unknown = set(methods) - set(COST_METHODS)
     if unknown:
         raise ValueError(f"methods={list(methods)}: unknown {sorted(unknown)}; allowed {COST_METHODS}")
     for method in methods:
         run_method(model, method, long_prompt(model.tokenizer, 64), 2, new_tokens=2, sampler=sampler, seed=seed)
-    points = [(length, n) for length in prompt_lengths for n in n_values]
+    points = sweep_points(prompt_lengths, n_values, full_grid=full_grid)
     if progress:
         from tqdm.auto import tqdm
 

@@ -15,9 +15,13 @@ ACCURACY_CHANGE_TARGET = -0.02  # vs the whole-pool majority, judged on the 95% 
 
 
 def check_settings(*, window: int, max_new_tokens: int, keeps: Sequence[float], n_warmup: int, pool_size: int,
-                   top_k: int) -> None:
+                   top_k: int, consensus: float | None = None) -> None:
     """Every DeepConf parameter checked before any generation, each error naming the parameter."""
     conf.check_window(window, max_new_tokens)
+    try:
+        conf.check_consensus(consensus)
+    except (TypeError, ValueError):
+        raise ValueError(f"confidence_consensus={consensus!r} must be None or a vote share in (0, 1]") from None
     if not keeps:
         raise ValueError("confidence_keep=[] must hold at least one share in (0, 1]")
     for keep in keeps:
@@ -47,11 +51,14 @@ def accuracy_vs_n(pools, n_values: Sequence[int], *, window: int, keeps: Sequenc
     return rows
 
 
-def online_rules(pools, *, window: int, keeps: Sequence[float], n_warmup: int) -> dict:
-    """`votes.early_stop_table` extra rules: DeepConf online at each kept share, replayed on full traces."""
-    return {("deepconf_online", f"keep={keep:g},warmup={n_warmup}"):
+def online_rules(pools, *, window: int, keeps: Sequence[float], n_warmup: int,
+                 consensus: float | None = None) -> dict:
+    """`votes.early_stop_table` extra rules: DeepConf online at each kept share, replayed on full traces, with
+    the paper's adaptive sampling (stop drawing at `consensus`) when it is not None."""
+    tail = "" if consensus is None else f",consensus={consensus:g}"
+    return {("deepconf_online", f"keep={keep:g},warmup={n_warmup}{tail}"):
             (lambda i, keep=keep: conf.online_rule(pools.answers[i], pools.confidences[i], window=window,
-                                                   n_warmup=n_warmup, keep=keep))
+                                                   n_warmup=n_warmup, keep=keep, consensus=consensus))
             for keep in keeps}
 
 
@@ -150,6 +157,6 @@ def findings(*, accuracy_rows: Sequence[dict], early_rows: Sequence[dict], check
                    f"{'equal' if check['equal_to_replay'] else 'NOT equal'} to the replay token for token; "
                    f"{check['stopped']} rows stopped, {fmt(check['tokens_saved'], '%')} of tokens saved, wall time "
                    f"{check['seconds']:.3g} s against {check['seconds_unstopped']:.3g} s unstopped (one run each, not "
-                   "interleaved; stopped rows still "
-                   "ride in the shared-prefix batch, so tokens saved are not time saved here).")
+                   "interleaved; stopped rows leave the shared-prefix batch once a quarter of it has stopped, "
+                   "so tokens saved turn into time saved only as the batch shrinks).")
     return out

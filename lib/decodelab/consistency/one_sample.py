@@ -9,6 +9,7 @@ each round) and the minimum kept, with the spread. One sample is the engine's pl
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,15 +59,34 @@ def ratio_at(rows: Sequence[dict], n: int) -> float | None:
     return next((r["ratio"] for r in rows if r["n"] == n), None)
 
 
-def with_early_stopping(rows: Sequence[dict], samples_used: float, pool: int) -> list[dict]:
+def stopped_batch(n: int, samples_used: float, pool: int) -> int:
+    """The batch SC@n launches when a stopping rule draws on average `samples_used` of `pool` samples:
+    ceil(n * samples_used / pool), at least 1 and at most n (a batch is sized before decoding, so it is
+    rounded up, never down)."""
+    if pool < 1 or not 0 <= samples_used <= pool:
+        raise ValueError(f"samples_used={samples_used!r} must be in [0, pool={pool}]")
+    return min(n, max(1, math.ceil(n * samples_used / pool - 1e-9)))
+
+
+def stopped_batches(n_values: Sequence[int], samples_used: float, pool: int) -> list[int]:
+    """Every n to time so that each SC@n with stopping is measured at its own batch: n_values plus each
+    `stopped_batch`, sorted, without repeats."""
+    return sorted({int(n) for n in n_values} | {stopped_batch(int(n), samples_used, pool) for n in n_values})
+
+
+def with_early_stopping(rows: Sequence[dict], samples_used: float, pool: int,
+                        n_values: Sequence[int] | None = None) -> list[dict]:
     """SC@n's cost when a stopping rule draws on average `samples_used` of `pool` samples: the measured
     time at the smallest measured n >= n * samples_used / pool (a batch must be sized before decoding, so
-    the saving is the batch it lets you launch; rounding up never credits more than was measured)."""
+    the saving is the batch it lets you launch; rounding up never credits more than was measured). Measure
+    `stopped_batches(...)` so that this is the `stopped_batch` itself, not the next larger n.
+    n_values: the SC@n rows to report (default every measured n). -> [{n, effective_n, measured_at_n,
+    seconds, ratio}]"""
     out = []
     share = samples_used / pool
-    for row in rows:
+    for row in rows if n_values is None else [r for r in rows if r["n"] in set(n_values)]:
         needed = row["n"] * share
-        fits = [r for r in rows if r["n"] >= needed]
+        fits = [r for r in rows if r["n"] >= needed - 1e-9]
         at = min(fits, key=lambda r: r["n"]) if fits else row
         out.append({"n": row["n"], "effective_n": needed, "measured_at_n": at["n"], "seconds": at["seconds"],
                     "ratio": at["ratio"]})

@@ -5,13 +5,11 @@ Self-consistency samples n continuations of the same prompt. A plain batch (or t
 prompt is prefilled once (one row per distinct prompt) and forked: each of the n rows keeps only its own
 suffix KV, and attention splits in two (Hydragen, Juravsky et al. 2024; FlashInfer cascade attention):
 
-- prefix part: the queries of all n rows of a prompt are stacked into one matrix and multiplied with the
-  prompt's keys once, (K, n*G*T, D) @ (K, D, S_p): one batched product instead of n,
-- suffix part: each row against its own suffix, as usual,
+- prefix part: the queries of all n rows of a prompt are stacked and multiplied with the prompt's keys
+  once, (K, n*G*T, D) @ (K, D, S_p); suffix part: each row against its own suffix, as usual;
 - the two partial softmaxes are merged exactly with their log-sum-exps (see `merge_attention`).
 
-`SharedPrefixKVCache` is an `AttentionCache` (`positions`, `begin_forward`, `attend`, `advance`, `truncate`,
-`lengths`), so `Transformer.forward` and `engine.decode_step` run on it unchanged.
+`SharedPrefixKVCache` is an `AttentionCache`, so `Transformer.forward` and `engine.decode_step` run on it unchanged.
 
 Shapes: P distinct prompts, B = sum of n_p rows (the rows of prompt p are contiguous), H query heads,
 K key/value heads, G = H / K, T new tokens per row, S_p prefix positions, S_s suffix positions, D head dim.
@@ -45,14 +43,30 @@ def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
     if visible is not None:  # None: every key visible (a shared prompt seen whole), no masking work
         scores = scores.masked_fill(~visible, float("-inf"))
-        peak = scores.amax(dim=-1, keepdim=True)
-        peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    else:
-        peak = scores.amax(dim=-1, keepdim=True)
+    peak = scores.amax(dim=-1, keepdim=True).nan_to_num(neginf=0.0)  # a row seeing no key: 0, not -inf
     weights = torch.exp(scores - peak)
     total = weights.sum(dim=-1, keepdim=True)
     out = torch.matmul(weights, values) / total.clamp_min(torch.finfo(total.dtype).tiny)
     return out.to(out_dtype), peak + torch.log(total)
+
+
+def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`partial_attention`'s (out, lse) for 4-D inputs, through PyTorch's fused CPU flash kernel (which also
+    returns the lse) on float32/float64: one pass instead of ~10 ops each writing an (M, S) intermediate, most
+    of the attention time at a 1024-token prompt on a CPU. Half precision keeps the explicit float32 path. A
+    query that sees no key gets lse = -inf (the kernel returns 0), so the merge still gives it zero weight."""
+    kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if kernel is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or q.dim() != 4:
+        return partial_attention(q, keys, values, visible, scale)
+    bias = None
+    if visible is not None:
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    out, lse = kernel(q, keys, values, attn_mask=bias, scale=scale)
+    lse = lse[..., None]
+    if visible is not None:
+        lse = lse.masked_fill(~visible.any(dim=-1, keepdim=True), float("-inf"))
+    return out, lse
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -60,11 +74,11 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 
     With Z_a = sum_{j in a} exp(s_j) = exp(lse_a) (same for b), attention over a u b is
         (sum_{a} e^{s_j} v_j + sum_{b} e^{s_j} v_j) / (Z_a + Z_b)
-      = w_a * out_a + w_b * out_b,   w_a = Z_a / (Z_a + Z_b) = exp(lse_a - lse),  lse = logaddexp(lse_a, lse_b).
-    Computed in the log domain, so large scores never overflow. out: (..., M, D), lse: (..., M, 1).
+      = w_a * out_a + (1 - w_a) * out_b,   w_a = Z_a / (Z_a + Z_b) = sigmoid(lse_a - lse_b),
+    i.e. out_b + w_a * (out_a - out_b): only the lse difference is exponentiated (no overflow), and an empty
+    block (lse = -inf) gets weight exactly 0. out: (..., M, D), lse: (..., M, 1).
     """
-    lse = torch.logaddexp(lse_a, lse_b)
-    return torch.exp(lse_a - lse) * out_a + torch.exp(lse_b - lse) * out_b
+    return torch.addcmul(out_b, torch.sigmoid(lse_a - lse_b), out_a - out_b)
 
 
 def _fold_heads(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -82,7 +96,8 @@ def shared_prefix_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: t
     q: (B, H, T, D); prefix_k, prefix_v: (P, K, S_p, D); prefix_mask: (P, S_p) bool (None = all valid;
     every suffix query sees the whole valid prefix); suffix_k, suffix_v: (B, K, S_s, D);
     suffix_mask: (B, T, S_s) bool (query t of row b sees suffix slot j), or already folded by
-    `kv_cache.grouped_mask` (B, 1, G*T, S_s) (the cache folds it once per forward); row_counts: P ints summing to B,
+    `kv_cache.grouped_mask` (B, 1, G*T, S_s) (the cache folds it once per forward), or None (every query
+    sees every suffix slot: a decode step of rows of equal length, no masking work); row_counts: P ints summing to B,
     rows of prompt p are rows [sum(row_counts[:p]), sum(row_counts[:p+1])). -> (B, H, T, D).
 
     Equal to standard attention over the concatenated keys (up to float rounding; see `merge_attention`).
@@ -106,24 +121,23 @@ def shared_prefix_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: t
         stacked = folded.reshape(n_prompts, n, n_kv, group * n_new, head_dim).transpose(1, 2)
         stacked = stacked.reshape(n_prompts, n_kv, n * group * n_new, head_dim)
         visible = None if prefix_mask is None else prefix_mask[:, None, None, :]
-        out_p, lse_p = partial_attention(stacked, prefix_k, prefix_v, visible, scale)
-        out_p = out_p.reshape(n_prompts, n_kv, n, group * n_new, head_dim).transpose(1, 2)
-        out_p = out_p.reshape(batch, n_kv, group * n_new, head_dim)
+        out_p, lse_p = block_attention(stacked, prefix_k, prefix_v, visible, scale)
+        out_p = out_p.reshape(n_prompts, n_kv, n, -1, head_dim).transpose(1, 2).reshape(batch, n_kv, -1, head_dim)
         lse_p = lse_p.reshape(n_prompts, n_kv, n, group * n_new, 1).transpose(1, 2).reshape(batch, n_kv, -1, 1)
     else:  # ragged n: one product per prompt
         outs, lses, start = [], [], 0
         for p, n in enumerate(row_counts):
-            stacked = folded[start:start + n].transpose(0, 1).reshape(n_kv, n * group * n_new, head_dim)
-            visible = None if prefix_mask is None else prefix_mask[p][None, None, :]
-            out, lse = partial_attention(stacked, prefix_k[p], prefix_v[p], visible, scale)
+            stacked = folded[start:start + n].transpose(0, 1).reshape(1, n_kv, n * group * n_new, head_dim)
+            visible = None if prefix_mask is None else prefix_mask[p][None, None, None, :]
+            out, lse = block_attention(stacked, prefix_k[p:p + 1], prefix_v[p:p + 1], visible, scale)
             outs.append(out.reshape(n_kv, n, group * n_new, head_dim).transpose(0, 1))
             lses.append(lse.reshape(n_kv, n, group * n_new, 1).transpose(0, 1))
             start += n
         out_p, lse_p = torch.cat(outs), torch.cat(lses)
 
     # Suffix: each row against its own keys; the mask (B, T, S_s) repeats over the G folded heads.
-    mask = suffix_mask if suffix_mask.dim() == 4 else grouped_mask(suffix_mask, group)
-    out_s, lse_s = partial_attention(folded, suffix_k, suffix_v, mask, scale)
+    mask = suffix_mask if suffix_mask is None or suffix_mask.dim() == 4 else grouped_mask(suffix_mask, group)
+    out_s, lse_s = block_attention(folded, suffix_k, suffix_v, mask, scale)
 
     wide = lse_p.dtype  # float32 for half-precision inputs, else the input dtype
     out = merge_attention(out_p.to(wide), lse_p, out_s.to(wide), lse_s).to(q.dtype)
@@ -183,19 +197,16 @@ class SharedPrefixKVCache:
         old_prompt = self.row_prompt[index]
         kept_prompts = sorted(set(old_prompt.tolist()))
         out = SharedPrefixKVCache.__new__(SharedPrefixKVCache)
-        if len(kept_prompts) == self.n_prompts:
-            out.prefix_keys, out.prefix_values = self.prefix_keys, self.prefix_values
-        else:
-            chosen = torch.tensor(kept_prompts, device=device, dtype=torch.long)
-            out.prefix_keys, out.prefix_values = self.prefix_keys[:, chosen], self.prefix_values[:, chosen]
+        chosen = torch.tensor(kept_prompts, device=device, dtype=torch.long)
+        whole = len(kept_prompts) == self.n_prompts  # every prompt keeps a row: its KV stays a view
+        out.prefix_keys = self.prefix_keys if whole else self.prefix_keys[:, chosen]
+        out.prefix_values = self.prefix_values if whole else self.prefix_values[:, chosen]
         renumber = {p: i for i, p in enumerate(kept_prompts)}
-        out.prefix_lengths = self.prefix_lengths[torch.tensor(kept_prompts, device=device, dtype=torch.long)]
+        out.prefix_lengths = self.prefix_lengths[chosen]
         out.row_prompt = torch.tensor([renumber[p] for p in old_prompt.tolist()], device=device, dtype=torch.long)
         out.row_counts = [int((out.row_prompt == i).sum()) for i in range(len(kept_prompts))]
-        out.suffix_keys = self.suffix_keys[:, index].clone()
-        out.suffix_values = self.suffix_values[:, index].clone()
-        out._row_prefix = self._row_prefix[index].clone()
-        out.lengths = self.lengths[index].clone()
+        out.suffix_keys, out.suffix_values = self.suffix_keys[:, index].clone(), self.suffix_values[:, index].clone()
+        out._row_prefix, out.lengths = self._row_prefix[index].clone(), self.lengths[index].clone()
         out._rows = torch.arange(len(rows), device=device)
         mask = torch.arange(out.prefix_keys.shape[3], device=device)[None, :] < out.prefix_lengths[:, None]
         out._prefix_mask = None if bool(mask.all()) else mask
@@ -271,7 +282,9 @@ class SharedPrefixKVCache:
         keys[rows, :, plan.slots] = k_new.transpose(1, 2)
         values[rows, :, plan.slots] = v_new.transpose(1, 2)
         span = plan.span
-        mask = plan.grouped_mask(q.shape[1] // keys.shape[1])
+        group = q.shape[1] // keys.shape[1]
+        # None when every row sees its whole suffix (the plan checks once per forward, not per layer).
+        mask = None if plan.attention_bias(group, q.dtype) is None else plan.grouped_mask(group)
         return shared_prefix_attention(
             q, self.prefix_keys[slot], self.prefix_values[slot], keys[:, :, :span], values[:, :, :span],
             mask, row_counts=self.row_counts, prefix_mask=self._prefix_mask)
@@ -295,8 +308,7 @@ def expand_counts(n, n_prompts: int) -> list[int]:
     counts = [n] * n_prompts if isinstance(n, int) else [int(c) for c in n]
     if len(counts) != n_prompts:
         raise ValueError(f"n={n!r} must be an int or one count per prompt ({n_prompts} prompts)")
-    bad = [c for c in counts if c < 1]
-    if bad:
+    if min(counts, default=1) < 1:
         raise ValueError(f"n={n!r}: every prompt needs n >= 1 samples")
     return counts
 
@@ -310,10 +322,8 @@ def generate_shared(model, prompts: list[list[int]], n, *, max_new_tokens: int =
     prompts: P token lists; n: int or P ints; generator: one torch.Generator or one per row (B = sum n).
     The decode loop is `engine.generate`'s, started from our own prefill, so with the same per-row
     generators the tokens equal `engine.generate(prompts repeated n times)`. shared=False prefills every
-    repeated prompt into a plain KVCache (the unshared reference, also with log-probs).
-    return_logprobs=False skips the per-step log-prob bookkeeping (logprobs is then None), for cost runs
-    that compare against decoders which do not compute it.
-    """
+    repeated prompt into a plain KVCache (the unshared reference). return_logprobs=False skips the log-prob
+    bookkeeping (logprobs None), for cost runs against decoders that do not compute it."""
     from decodelab.core import engine
 
     engine.validate_generation_args(prompts, max_new_tokens)
