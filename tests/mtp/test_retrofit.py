@@ -53,7 +53,7 @@ def test_valid_positions_skip_padding_and_the_unlabelled_last_position():
 
 
 def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
-    spec = rt.RetrofitSpec(steps=5, batch_size=2, warmup=1, loss_fraction=0.5)
+    spec = rt.RetrofitSpec(steps=5, batch_size=2, warmup=1, loss_fraction=0.5, val_blocks=1)
     trunk = frozen()
     data = fake_dataset(trunk)
     whole = rt.new_module_model(trunk, seed=0)
@@ -75,7 +75,7 @@ def test_training_leaves_the_frozen_next_token_logits_identical(tmp_path):
     data = fake_dataset(trunk)
     before = trunk(input_ids=data["tokens"]).logits.detach().clone()
     model = rt.new_module_model(trunk, seed=0)
-    rt.train_retrofit(model, data, rt.RetrofitSpec(steps=3, batch_size=2, warmup=1), run_dir=tmp_path)
+    rt.train_retrofit(model, data, rt.RetrofitSpec(steps=3, batch_size=2, warmup=1, val_blocks=0), run_dir=tmp_path)
     assert torch.equal(trunk(input_ids=data["tokens"]).logits, before)
     assert torch.equal(model.head_logits(data["tokens"])[0], before)
 
@@ -246,3 +246,54 @@ def test_mixed_sequences_put_a_chat_answer_after_every_fourth_task():
     assert sequences[0][-1] == CharTokenizer.eos_token_id  # each answer ends its turn
     blocks, used = distill.pack_counted(sequences, seq_len=40, n_blocks=2, pad_id=0)
     assert blocks.shape == (2, 40) and 0 < used < len(sequences)
+
+
+def test_own_code_requests_are_the_first_code_edits_and_leave_the_teacher_forced_set():
+    pairs = [("extraction", "e0", "x"), ("code_edit", "r0", "a0"), ("code_edit", "r1", "a1"),
+             ("extraction", "e1", "y"), ("code_edit", "r2", "a2")]
+    own, rest = distill.split_own_code(pairs, 2)
+    assert [p[1] for p in own] == ["r0", "r1"]
+    assert [p[1] for p in rest] == ["e0", "e1", "r2"]  # order kept, no request taught twice
+    assert distill.split_own_code(pairs, 0) == ([], pairs)
+
+
+def test_mixed_sequences_put_the_models_own_code_answers_before_each_task_while_they_last():
+    pairs = [("code_edit", f"r{i}", f"a{i}") for i in range(5)]
+    own = [[50, 51], [52, 53]]
+    sequences, kinds = distill.mixed_sequences(CharTokenizer(), pairs, [[7, 7]], own)
+    assert kinds == (["code_edit_own", "code_edit"] * 2 + ["code_edit"] * 2 + ["chat"] + ["code_edit"])
+    assert sequences[0] == [50, 51] and sequences[2] == [52, 53] and sequences[6] == [7, 7]
+    assert set(kinds) <= set(distill.TASK_KINDS)
+
+
+def test_greedy_sequences_are_the_prompt_plus_the_engines_greedy_answer():
+    loaded = tiny_model(seed=0, vocab_size=VOCAB)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    got = distill.greedy_sequences(loaded, prompts, 5, batch_size=1)
+    for prompt, seq in zip(prompts, got):
+        alone = engine.generate(loaded.transformer, [prompt], max_new_tokens=5).tokens[0]
+        assert seq == prompt + list(alone) and len(seq) > len(prompt)
+    assert distill.greedy_sequences(loaded, prompts, 0, batch_size=1) == []
+    with pytest.raises(ValueError, match="code_gen_tokens=-1"):
+        distill.DistillData(code_gen_tokens=-1)
+
+
+def test_held_out_blocks_never_reach_the_training(tmp_path):
+    spec = rt.RetrofitSpec(steps=4, batch_size=2, warmup=1, val_blocks=2)
+    trunk = frozen()
+    data = fake_dataset(trunk)
+    changed = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+    noise = torch.Generator().manual_seed(9)
+    changed["tokens"][-2:] = torch.randint(3, VOCAB, changed["tokens"][-2:].shape, generator=noise)
+    changed["hidden"][-2:] = torch.randn(changed["hidden"][-2:].shape).to(changed["hidden"].dtype)
+    a, b = rt.new_module_model(trunk, seed=0), rt.new_module_model(trunk, seed=0)
+    rt.train_retrofit(a, data, spec, run_dir=tmp_path / "a")
+    rt.train_retrofit(b, changed, spec, run_dir=tmp_path / "b")
+    for (name, x), y in zip(a.heads.state_dict().items(), b.heads.state_dict().values()):
+        assert torch.equal(x, y), name
+    train, held = rt.split_blocks(data, spec, max_blocks=3)
+    assert torch.equal(train["tokens"], data["tokens"][:3]) and torch.equal(held["tokens"], data["tokens"][4:])
+    with pytest.raises(ValueError, match="val_blocks=6"):
+        rt.train_retrofit(a, data, rt.RetrofitSpec(val_blocks=6), run_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match="val_blocks=64"):
+        rt.RetrofitSpec(data=distill.DistillData(n_blocks=64), val_blocks=64)

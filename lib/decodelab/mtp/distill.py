@@ -4,7 +4,9 @@ The module is trained to predict what the *target* would say one token later, so
 target itself (FastMTP's self-distillation). Three kinds of sequence, all from shipped text:
 
 - code editing: a function from the stdlib's *training* split (`decodelab.mtp.data` splits by file), a
-  "rename it and output the updated code" request, and the expected edited code as the answer;
+  "rename it and output the updated code" request, and the expected edited code as the answer (teacher-forced:
+  one trunk prefill per block, no generation); the first `code_gen_prompts` requests are instead answered by
+  the model's own greedy continuation, which is the text the module drafts on when the model edits code;
 - extraction: "copy the first sentences of this docstring exactly", with the copied sentences as the answer;
 - chat: writing prompts (data/writing_prompts.jsonl) with the model's own greedy continuation, generated in
   batches through the engine's token loop (`decodelab.core.engine.generate`).
@@ -25,28 +27,30 @@ from pathlib import Path
 
 import torch
 
-TASK_KINDS = ("code_edit", "extraction", "chat")
+TASK_KINDS = ("code_edit", "code_edit_own", "extraction", "chat")  # code_edit_own: the model's own greedy answer
 
 
 @dataclass(frozen=True)
 class DistillData:
     """What the distillation set is made of (part of the checkpoint's content hash)."""
 
-    seq_len: int = 256  # tokens per training block
-    n_blocks: int = 12  # blocks the frozen trunk runs over (the cost: one trunk forward per token)
-    chat_prompts: int = 4  # writing prompts answered by the model itself (greedy, through the engine)
-    chat_new_tokens: int = 16  # tokens generated per chat prompt
-    gen_batch_size: int = 4  # rows per engine.generate call
+    seq_len: int = 512  # tokens per training block (a code edit's request + answer fits whole)
+    n_blocks: int = 96  # blocks the frozen trunk runs over (the cost: one trunk forward per token)
+    chat_prompts: int = 8  # writing prompts answered by the model itself (greedy, through the engine)
+    chat_new_tokens: int = 48  # tokens generated per chat prompt
+    code_gen_prompts: int = 24  # code-edit requests answered by the model itself (greedy) instead of the reference
+    code_gen_tokens: int = 96  # tokens generated per such request
+    gen_batch_size: int = 8  # rows per engine.generate call
     top_k: int = 16  # teacher log-probs kept per position (the KL is over these, renormalized)
     min_code_lines: int = 4  # functions shorter than this teach little copying
-    max_code_chars: int = 1400  # and longer ones do not fit a block twice (prompt + answer)
+    max_code_chars: int = 700  # and longer ones do not fit a block twice (prompt + answer)
 
     def __post_init__(self):
         for name in ("seq_len", "n_blocks", "gen_batch_size", "top_k", "min_code_lines", "max_code_chars"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
-        for name in ("chat_prompts", "chat_new_tokens"):
+        for name in ("chat_prompts", "chat_new_tokens", "code_gen_prompts", "code_gen_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
@@ -118,20 +122,45 @@ def answered_ids(tokenizer, request: str, answer: str) -> list[int]:
     return user_prompt_ids(tokenizer, request) + tokenizer(answer, add_special_tokens=False).input_ids + [end]
 
 
+def greedy_sequences(loaded, prompts: list[list[int]], new_tokens: int, batch_size: int, *,
+                     progress: bool = False) -> list[list[int]]:
+    """prompt + the model's own greedy continuation (up to new_tokens, ending at its EOS), through the engine."""
+    from decodelab.core import engine
+
+    if not prompts or not new_tokens:
+        return []
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start:start + batch_size]
+        result = engine.generate(loaded.transformer, batch, max_new_tokens=new_tokens, progress=progress)
+        out += [p + list(t) for p, t in zip(batch, result.tokens)]
+    return out
+
+
 def chat_sequences(loaded, data: DistillData, *, progress: bool = False) -> list[list[int]]:
     """The model's own greedy answers to `chat_prompts` writing prompts: prompt + continuation ids."""
-    from decodelab.core import engine
     from decodelab.workloads.tasks import load_writing_prompts, writing_prompt
 
     if not data.chat_prompts or not data.chat_new_tokens:
         return []
     prompts = [writing_prompt(p, loaded.tokenizer) for p in load_writing_prompts(n=data.chat_prompts)]
-    out = []
-    for start in range(0, len(prompts), data.gen_batch_size):
-        batch = prompts[start:start + data.gen_batch_size]
-        result = engine.generate(loaded.transformer, batch, max_new_tokens=data.chat_new_tokens, progress=progress)
-        out += [p + list(t) for p, t in zip(batch, result.tokens)]
-    return out
+    return greedy_sequences(loaded, prompts, data.chat_new_tokens, data.gen_batch_size, progress=progress)
+
+
+def split_own_code(pairs: list[tuple[str, str, str]], n: int):
+    """The first n code-edit requests (answered by the model itself) and the remaining pairs (teacher-forced)."""
+    own = [p for p in pairs if p[0] == "code_edit"][:n]
+    taken = {id(p) for p in own}
+    return own, [p for p in pairs if id(p) not in taken]
+
+
+def own_code_sequences(loaded, own: list[tuple[str, str, str]], data: DistillData, *,
+                       progress: bool = False) -> list[list[int]]:
+    """The model's own greedy answers to code-edit requests: prompt + continuation ids."""
+    from decodelab.workloads.prompts import user_prompt_ids
+
+    prompts = [user_prompt_ids(loaded.tokenizer, request) for _, request, _ in own]
+    return greedy_sequences(loaded, prompts, data.code_gen_tokens, data.gen_batch_size, progress=progress)
 
 
 def pack(sequences: list[list[int]], seq_len: int, n_blocks: int, pad_id: int) -> torch.Tensor:
@@ -157,11 +186,18 @@ def pack_counted(sequences: list[list[int]], seq_len: int, n_blocks: int, pad_id
     return torch.tensor(blocks, dtype=torch.long), used
 
 
-def mixed_sequences(tokenizer, pairs: list[tuple[str, str, str]], chats: list[list[int]]):
-    """Task answers with a chat answer after every fourth task, as long as chats last. -> (token lists, kinds)."""
+def mixed_sequences(tokenizer, pairs: list[tuple[str, str, str]], chats: list[list[int]],
+                    own_code: list[list[int]] = ()):
+    """Task answers with a chat answer after every fourth task, as long as chats last, and one of the model's own
+    code-edit answers before every task while they last (the text it drafts on comes first, so packing keeps it).
+    -> (token lists, kinds)."""
     sequences, kinds = [], []
-    chat_iter = iter(chats)
+    chat_iter, own_iter = iter(chats), iter(own_code)
     for i, (kind, request, answer) in enumerate(pairs):
+        own = next(own_iter, None)
+        if own is not None:
+            sequences.append(own)
+            kinds.append("code_edit_own")
         sequences.append(answered_ids(tokenizer, request, answer))
         kinds.append(kind)
         if i % 4 == 3:
@@ -221,9 +257,10 @@ def build_distill_set(loaded, corpus, data: DistillData, *, cache_dir: str | Pat
         tensors = load_file(str(path))
         kinds = json.loads((root / f"{key}.json").read_text())["kinds"]
         return {**tensors, "mask": tensors["mask"].bool(), "hash": key, "kinds": kinds}
-    pairs = task_pairs(corpus, data)
+    own, pairs = split_own_code(task_pairs(corpus, data), data.code_gen_prompts)
     chats = chat_sequences(loaded, data, progress=progress)
-    sequences, seq_kinds = mixed_sequences(loaded.tokenizer, pairs, chats)
+    own_code = own_code_sequences(loaded, own, data, progress=progress)
+    sequences, seq_kinds = mixed_sequences(loaded.tokenizer, pairs, chats, own_code)
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
     tokens, used = pack_counted(sequences, data.seq_len, data.n_blocks, pad)
     kinds = {kind: seq_kinds[:used].count(kind) for kind in TASK_KINDS}  # what the blocks hold

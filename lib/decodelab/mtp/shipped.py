@@ -28,6 +28,7 @@ from decodelab.mtp.retrofit_train import RetrofitSpec, spec_hash
 SHIPPED_DIR = Path(__file__).resolve().parents[3] / "checkpoints" / "mtp"
 DEFAULT_NAME = "smollm2-135m-deepseek-kl"
 WEIGHTS = "heads.safetensors"
+AGREEMENT_BLOCKS = 8  # blocks of each part (trained on / held out) the record's teacher-forced agreement reads
 
 
 def shipped_path(name: str = DEFAULT_NAME) -> Path:
@@ -95,7 +96,7 @@ def train_checkpoint(spec: RetrofitSpec, *, model_name: str = "smollm2-135m", ou
     from decodelab.mtp import data as mtp_data
     from decodelab.mtp.checkpoint import save_checkpoint
     from decodelab.mtp.distill import build_distill_set
-    from decodelab.mtp.retrofit_train import module_agreement, new_module_model, train_retrofit
+    from decodelab.mtp.retrofit_train import module_agreement, new_module_model, split_blocks, train_retrofit
 
     corpus = corpus or mtp_data.load_corpus()
     key = spec_hash(spec, model_name, corpus.corpus_hash)
@@ -116,10 +117,12 @@ def train_checkpoint(spec: RetrofitSpec, *, model_name: str = "smollm2-135m", ou
                             progress=progress)
     if result["steps_done"] < spec.steps:
         return run_dir
-    agreement = module_agreement(model, dataset)
+    train_part, held_part = split_blocks(dataset, spec, max_blocks=AGREEMENT_BLOCKS)
+    agreement = module_agreement(model, train_part)
     model.heads.to(torch.bfloat16)  # shipped in bf16: half the bytes (the record's agreement is re-measured)
     model.heads.to(torch.float32)
-    agreement_bf16 = module_agreement(model, dataset)
+    agreement_bf16 = module_agreement(model, train_part)
+    heldout_bf16 = module_agreement(model, held_part) if spec.val_blocks else None
     model.heads.to(torch.bfloat16)
     save_checkpoint(model, cached, retrofit_model=model_name, extra={"name": DEFAULT_NAME, "seed": spec.seed,
                                                                     "content_hash": key})
@@ -132,6 +135,7 @@ def train_checkpoint(spec: RetrofitSpec, *, model_name: str = "smollm2-135m", ou
               "load_average": load_average(), "cpu_threads": torch.get_num_threads(),
               "python": platform.python_version(), "torch": torch.__version__, "dtype": "bfloat16",
               "train_agreement_fp32": agreement, "train_agreement_bf16": agreement_bf16,
+              "heldout_agreement_bf16": heldout_bf16, "agreement_blocks": AGREEMENT_BLOCKS,
               "final_loss": result["losses"][-1], "loss_curve": result["losses"],
               "sha256": sha256_of(cached / WEIGHTS)}
     (cached / "record.json").write_text(json.dumps(record, indent=2))
@@ -181,6 +185,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--n-blocks", type=int, default=data.n_blocks)
     p.add_argument("--seq-len", type=int, default=data.seq_len)
     p.add_argument("--chat-prompts", type=int, default=data.chat_prompts)
+    p.add_argument("--code-gen-prompts", type=int, default=data.code_gen_prompts,
+                   help="code-edit requests answered by the model's own greedy continuation")
     p.add_argument("--save-every", type=int, default=20, help="steps between resumable checkpoints")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (resume later)")
     p.add_argument("--cache-dir", default=None, help="where runs and distillation sets are cached")
@@ -189,7 +195,8 @@ def parse_args(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    data = DistillData(seq_len=args.seq_len, n_blocks=args.n_blocks, chat_prompts=args.chat_prompts)
+    data = DistillData(seq_len=args.seq_len, n_blocks=args.n_blocks, chat_prompts=args.chat_prompts,
+                       code_gen_prompts=args.code_gen_prompts)
     spec = RetrofitSpec(data=data, loss=args.loss, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                         warmup=max(1, min(RetrofitSpec.warmup, args.steps // 10)), loss_fraction=args.loss_fraction,
                         seed=args.seed)
