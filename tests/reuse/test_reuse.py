@@ -229,3 +229,26 @@ def test_interleaved_serving_with_a_shared_prefill_keeps_every_output(tiny):
         # one method alone, prefilling by itself, writes exactly what it wrote interleaved
         alone, _ = methods.serve(setup, method, batch_size=1)
         assert [r["tokens"] for r in alone] == [by[(method.label, 1, q)] for q in range(len(stream))]
+
+
+def test_shared_prefix_check_equals_decoding_and_finds_the_first_disagreement(tiny):
+    from decodelab.reuse import shared
+
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(1, 256, (12,), generator=g).tolist()
+    prompts = [prefix + torch.randint(1, 256, (n,), generator=g).tolist() for n in (3, 7)]
+    cache = shared.prefix_cache(tiny, prefix)
+    decoded = shared.serve_batch(tiny, prompts, prefix, cache, max_new_tokens=12, eos=[])
+    plain = engine.generate(tiny, prompts, max_new_tokens=12, eos_token_ids=[]).tokens
+    assert decoded["tokens"] == plain and decoded["agrees"] is None
+    checked = shared.serve_batch(tiny, prompts, prefix, cache, max_new_tokens=12, eos=[], references=plain)
+    assert checked["tokens"] == plain and checked["agrees"] == [True, True] and math.isnan(checked["decode_s"])
+    wrong = [plain[0][:5] + [(plain[0][5] + 1) % 256] + plain[0][6:], plain[1][:1]]
+    out = shared.serve_batch(tiny, prompts, prefix, cache, max_new_tokens=12, eos=[], references=wrong)
+    assert out["agrees"] == [False, True] and out["tokens"] == [plain[0][:6], plain[1][:1]]
+
+
+def test_plan_serves_the_raw_trace_draft_ablation_only_when_asked():
+    kinds = lambda **kw: [m.kind for m in methods.plan(["ngram"], [0.5], **kw)]  # noqa: E731
+    assert "trace_draft" in kinds() and "trace_draft" not in kinds(raw_trace_draft=False)
+    assert "trace_draft_subst" in kinds(raw_trace_draft=False)

@@ -11,7 +11,8 @@ method wrote. Methods (all greedy):
                        n-gram match), then the prompt (`TraceDrafter`)
     trace_draft_subst  lossless: the same, the traces rewritten with this query's numbers and names and their
                        sums redone (`align.recompute`)
-    shared_prefix      lossless: instruction + exemplar prefilled once and shared (`SharedPrefixKVCache`)
+    shared_prefix      lossless: instruction + exemplar prefilled once and shared (`reuse.shared`); plain's
+                       output, served first in each batch, is checked on the shared cache in one forward
     exemplar           lossy: the retrieved question + trace replace the fixed worked example in the prompt
     step_reuse         lossy: the retrieved trace's steps proposed whole, accepted above a threshold
 
@@ -23,13 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from types import SimpleNamespace
 
 import torch
 
-from decodelab.common.timing import timed
 from decodelab.core import engine
-from decodelab.core.shared_prefix import SharedPrefixKVCache
 from decodelab.reuse import align, step_reuse
+from decodelab.reuse import shared as shared_prefix
 from decodelab.reuse.drafting import TraceDrafter
 from decodelab.reuse.retrieval import Entry, TraceCache, check_method, check_threshold, token_ngrams
 from decodelab.speculation import decode as spec_decode
@@ -129,30 +130,37 @@ def serve_many(setup: Setup, methods: list[Method], *, batch_size: int = 1,
             check_method(method.retrieval or "")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be >= 1")
+    methods = sorted(methods, key=lambda m: m.kind != "plain")  # plain first: its outputs check shared_prefix's
     caches = {m: TraceCache() for m in methods}
     rows = {m: ([], []) for m in methods}
-    shared = _prefix_cache(setup) if any(m.kind == "shared_prefix" for m in methods) else None
+    shared = (shared_prefix.prefix_cache(setup.lm, setup.prefix) if any(m.kind == "shared_prefix" for m in methods)
+              else None)
     starts = range(0, len(setup.stream), batch_size)
     if progress:
         from tqdm.auto import tqdm
 
         starts = tqdm(starts, desc=f"{len(methods)} methods, B={batch_size}", leave=False)
-    max_k = max(setup.draft_k, setup.trace_draft_k)
+    # room for the longest draft, and for a step-reuse proposal (a step of a trace: at most ~max_new_tokens)
+    max_k = max(setup.draft_k, setup.trace_draft_k, setup.max_new_tokens + 16)
     for start in starts:
         idx = list(range(start, min(start + batch_size, len(setup.stream))))
         prefilled = spec_decode.prefill(setup.lm, [setup.prompts[i] for i in idx],
                                         max_new_tokens=setup.max_new_tokens, max_k=max_k)
+        plain = None  # this batch's plain outputs, once plain has served it
         for method in methods:
             query_rows, batch_rows = rows[method]
-            _serve_batch(setup, method, idx, caches[method], shared, prefilled, query_rows, batch_rows, batch_size)
+            tokens = _serve_batch(setup, method, idx, caches[method], shared, prefilled, query_rows, batch_rows,
+                                  batch_size, plain)
+            plain = tokens if method.kind == "plain" else plain
     return [r for m in methods for r in rows[m][0]], [r for m in methods for r in rows[m][1]]
 
 
 def _serve_batch(setup: Setup, method: Method, idx: list[int], cache: TraceCache, shared, prefilled,
-                 query_rows: list[dict], batch_rows: list[dict], batch_size: int) -> None:
-    """One batch of one method: retrieve from the method's cache, generate, append the rows, cache the traces."""
+                 query_rows: list[dict], batch_rows: list[dict], batch_size: int, plain=None) -> list[list[int]]:
+    """One batch of one method: retrieve from the method's cache, generate, append the rows, cache the traces.
+    plain: plain decoding's outputs of this batch, or None. -> the batch's outputs."""
     hits = [_retrieve(setup, cache, method, i) for i in idx]
-    out = _run_batch(setup, method, idx, [h[0] for h in hits], shared, prefilled)
+    out = _run_batch(setup, method, idx, [h[0] for h in hits], shared, prefilled, plain)
     batch_rows.append({"method": method.label, "kind": method.kind, "batch_size": batch_size, "start": idx[0],
                        "rows": len(idx), **{k: v for k, v in out.items() if not isinstance(v, list)}})
     for j, i in enumerate(idx):
@@ -173,6 +181,7 @@ def _serve_batch(setup: Setup, method: Method, idx: list[int], cache: TraceCache
         trace = [t for t in tokens if t not in setup.eos]
         emb = None if setup.embeddings is None else setup.embeddings[i]
         cache.add(Entry(problem, setup.ngrams[i], emb, trace, setup.text(trace)))
+    return out["tokens"]
 
 
 def _retrieve(setup: Setup, cache: TraceCache, method: Method, i: int):
@@ -191,9 +200,10 @@ def substituted(setup: Setup, hit, i: int, *, recompute: bool = False) -> str:
     return align.recompute(text) if recompute else text
 
 
-def _run_batch(setup: Setup, method: Method, idx: list[int], hits: list[list], shared, prefilled=None) -> dict:
+def _run_batch(setup: Setup, method: Method, idx: list[int], hits: list[list], shared, prefilled=None,
+               plain=None) -> dict:
     """One batch of one method. prefilled: a `spec_decode.Prefilled` of exactly these queries' prompts (shared
-    with the other methods of the batch), or None to prefill here."""
+    with the other methods of the batch), or None to prefill here; plain: plain's outputs of the batch or None."""
     kind, lm, prompts = method.kind, setup.lm, [setup.prompts[i] for i in idx]
     none = [0] * len(idx)
     if kind in ("plain", "exemplar"):
@@ -218,10 +228,13 @@ def _run_batch(setup: Setup, method: Method, idx: list[int], hits: list[list], s
         for i, row_hits in zip(idx, hits):
             trace = setup.encode(substituted(setup, row_hits[0], i)) if row_hits else []
             steps.append(align.split_steps(trace, [setup.piece(t) for t in trace]))
+        longest = max((len(s) for row in steps for s in row), default=0)
+        room = prefilled is not None and prefilled.max_k >= longest + 1
         tokens, stats = step_reuse.generate(lm, prompts, steps, setup.piece, threshold=method.threshold,
-                                            max_new_tokens=setup.max_new_tokens, eos_token_ids=setup.eos)
+                                            max_new_tokens=setup.max_new_tokens, eos_token_ids=setup.eos,
+                                            prefilled=prefilled if room else None)
         return _out(tokens, stats.forwards, stats.reused_tokens, prompts, stats)
-    return _shared_batch(setup, prompts, shared, prefilled)
+    return _shared_batch(setup, prompts, shared, prefilled, plain)
 
 
 def _out(tokens, forwards, trace_tokens, prompts, stats, prefill_tokens=None, **extra) -> dict:
@@ -242,44 +255,22 @@ def _exemplar_prompt(setup: Setup, i: int, row_hits) -> list[int]:
     return tasks.chat_prompt_ids(setup.lm.tokenizer, messages)
 
 
-def _prefix_cache(setup: Setup) -> dict:
-    """The shared prefix prefilled once (its seconds are paid once per stream)."""
-    (cache, _logits), seconds = timed(lambda: engine.prefill(setup.lm, [setup.prefix], max_new_tokens=0),
-                                      setup.lm.device)
-    return {"cache": cache, "once_s": seconds}
+def _shared_batch(setup: Setup, prompts: list[list[int]], shared: dict, prefilled=None, plain=None) -> dict:
+    """The shared-prefix method on one batch (`reuse.shared`): plain's outputs, when given, checked in one forward
+    on the shared cache instead of decoded again."""
+    res = shared_prefix.serve_batch(setup.lm, prompts, setup.prefix, shared, max_new_tokens=setup.max_new_tokens,
+                                    eos=setup.eos, prefilled=prefilled, references=plain)
+    stats = SimpleNamespace(prefill_s=res["suffix_s"], decode_s=res["decode_s"], new_tokens=res["new_tokens"],
+                            step_s=[])
+    return _out(res["tokens"], res["forwards"], [0] * len(prompts), prompts, stats,
+                prefill_tokens=res["suffix_tokens"], full_prefill_s=res["full_s"], suffix_prefill_s=res["suffix_s"],
+                prefix_once_s=shared["once_s"], prefix_tokens=len(setup.prefix), checked=plain is not None)
 
 
-def _shared_batch(setup: Setup, prompts: list[list[int]], shared: dict, prefilled=None) -> dict:
-    """The whole prompts' prefill is the reference time to first token (the batch's shared prefill when given,
-    else timed here and dropped); then only each prompt's suffix is prefilled onto the shared prefix, and the
-    engine decodes from there."""
-    lm, P = setup.lm, len(setup.prefix)
-    device = lm.device
-    if prefilled is not None:
-        full_s = prefilled.prefill_s
-    else:
-        _, full_s = timed(lambda: engine.prefill(lm, prompts, max_new_tokens=0), device)
-    suffixes = [p[P:] for p in prompts]
-
-    def prefill_suffixes():
-        cache = SharedPrefixKVCache.fork(shared["cache"], [len(prompts)],
-                                         max(map(len, suffixes)) + setup.max_new_tokens + 1)
-        tokens, lengths = engine.pad_prompts(suffixes, device)
-        return cache, engine.extend(lm, cache, tokens, n_new=lengths, logits_at="last")
-
-    (cache, logits), suffix_s = timed(prefill_suffixes, device)
-    res = engine.generate(lm, prompts, max_new_tokens=setup.max_new_tokens, eos_token_ids=setup.eos,
-                          prefilled=(cache, logits))
-    res.stats.prefill_s += suffix_s
-    return _out(res.tokens, [len(t) for t in res.tokens], [0] * len(prompts), prompts, res.stats,
-                prefill_tokens=[len(s) for s in suffixes], full_prefill_s=full_s, suffix_prefill_s=suffix_s,
-                prefix_once_s=shared["once_s"], prefix_tokens=P)
-
-
-def plan(retrieval: list[str], step_thresholds: list[float]) -> list[Method]:
-    """The methods of one run: plain and prompt lookup, trace-as-draft raw (first retrieval method) and
-    substituted (every retrieval method), the shared prefix, trace-as-exemplar and one step-reuse setting per
-    threshold (first retrieval method)."""
+def plan(retrieval: list[str], step_thresholds: list[float], *, raw_trace_draft: bool = True) -> list[Method]:
+    """The methods of one run: plain and prompt lookup, trace-as-draft substituted (every retrieval method) and,
+    with `raw_trace_draft`, raw (the substitution's ablation, first retrieval method), the shared prefix,
+    trace-as-exemplar and one step-reuse setting per threshold (first retrieval method)."""
     if not retrieval:
         raise ValueError(f"retrieval={retrieval!r} is empty; allowed: a non-empty list from ['ngram', 'embedding']")
     for method in retrieval:
@@ -287,7 +278,7 @@ def plan(retrieval: list[str], step_thresholds: list[float]) -> list[Method]:
     for t in step_thresholds:
         check_threshold(t, name="step_thresholds")
     first = retrieval[0]
-    return ([Method("plain"), Method("prompt_ngram"), Method("trace_draft", first)]
+    return ([Method("plain"), Method("prompt_ngram")] + ([Method("trace_draft", first)] if raw_trace_draft else [])
             + [Method("trace_draft_subst", r) for r in retrieval]
             + [Method("shared_prefix"), Method("exemplar", first)]
             + [Method("step_reuse", first, float(t)) for t in step_thresholds])

@@ -118,13 +118,24 @@ class StepReusePolicy:
         self.pending = torch.tensor([s[-1] for s in loop.sequences], device=loop.device)
 
 
+@torch.inference_mode()
 def generate(model, prompts: list[list[int]], steps: list[list[list[int]]], piece, *, threshold: float,
-             max_new_tokens: int, eos_token_ids=None) -> tuple[list[list[int]], StepStats]:
-    """Greedy decoding with step reuse: -> (new tokens per row, StepStats). steps[b]: row b's trace steps."""
+             max_new_tokens: int, eos_token_ids=None, prefilled=None) -> tuple[list[list[int]], StepStats]:
+    """Greedy decoding with step reuse: -> (new tokens per row, StepStats). steps[b]: row b's trace steps.
+    prefilled: a `speculation.decode.Prefilled` of exactly these prompts to decode from (its cache is truncated
+    back to the prompts; it needs room for max_new_tokens + the longest step + 1), or None to prefill here."""
     if not 0 <= threshold:
         raise ValueError(f"threshold={threshold!r} must be >= 0 (a geometric-mean probability; > 1 = lossless)")
     stats = StepStats(batch_size=len(prompts), prompt_tokens=sum(map(len, prompts)))
     policy = StepReusePolicy(steps, piece, threshold, stats)
+    shared = None
+    if prefilled is not None:
+        room = prefilled.cache.max_len - int(prefilled.prompt_lengths.max())
+        if room < max_new_tokens + policy.extra:
+            raise ValueError(f"prefilled has room for {room} new positions; step reuse needs max_new_tokens + "
+                             f"the longest step + 1 = {max_new_tokens + policy.extra}")
+        prefilled.cache.truncate(prefilled.prompt_lengths.clone())
+        shared, stats.prefill_s = (prefilled.cache, prefilled.last_logits), prefilled.prefill_s
     loop = engine.run_loop(model, prompts, policy, max_new_tokens=max_new_tokens, stats=stats,
-                           eos_token_ids=eos_token_ids)
+                           eos_token_ids=eos_token_ids, prefilled=shared)
     return loop.tokens, stats

@@ -37,11 +37,12 @@ def _by(rows: Sequence[dict], method: str, batch: int) -> dict[int, dict]:
     return {r["query"]: r for r in rows if r["method"] == method and r["batch_size"] == batch}
 
 
-def decode_tokens_per_s(batch_rows: Sequence[dict], method: str, batch: int) -> float:
+def decode_tokens_per_s(batch_rows: Sequence[dict], method: str, batch: int) -> float | None:
     rows = [r for r in batch_rows if r["method"] == method and r["batch_size"] == batch]
     tokens = sum(r["new_tokens"] - r["rows"] for r in rows)
     seconds = sum(r["decode_s"] for r in rows)
-    return tokens / seconds if seconds > 0 else float("nan")
+    # nan seconds: nothing decoded (shared_prefix checked against plain's output in one forward) -> not measured
+    return tokens / seconds if seconds > 0 else None
 
 
 def method_table(query_rows: Sequence[dict], batch_rows: Sequence[dict], *, warmup: int, seed: int = 0,
@@ -72,7 +73,7 @@ def method_table(query_rows: Sequence[dict], batch_rows: Sequence[dict], *, warm
             "change_ci_low": diff["ci_low"], "change_ci_high": diff["ci_high"],
             "identical_to_plain": float(np.mean([rows[q]["tokens"] == ref[q]["tokens"] for q in queries])),
             "hit_rate": float(np.mean([rows[q]["hit"] for q in queries])),
-            "decode_tokens_per_s": tps, "decode_speedup": tps / ref_tps if ref_tps > 0 else float("nan"),
+            "decode_tokens_per_s": tps, "decode_speedup": tps / ref_tps if tps and ref_tps else None,
         })
     return out
 
@@ -211,7 +212,7 @@ def findings(table: Sequence[dict], *, goal_draft: str, amortization_value, amor
         plain = _row(table, "plain", batch)
         if plain and parts:
             out.append(f"Batch {batch}, against plain ({plain['forwards_per_query']:.1f} forwards/query, accuracy "
-                       f"{fmt(plain['accuracy'], '%')}, {plain['decode_tokens_per_s']:.3g} decode tok/s): "
+                       f"{fmt(plain['accuracy'], '%')}, {fmt(plain['decode_tokens_per_s'])} decode tok/s): "
                        + "; ".join(parts) + ".")
     plain_by_family = [r for r in (family_rows or []) if r["method"] == "plain"]
     if plain_by_family:
