@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from decodelab.constrained.awrs import awrs_draw, awrs_law
+from decodelab.constrained.awrs import EXTRA_DRAWS_CAP, awrs_draw, awrs_law
 from decodelab.core.models import tiny_model
 
 
@@ -52,7 +52,7 @@ def test_awrs_draw_samples_the_law_it_claims():
         assert abs(counts[t] / n - share) < 5 * math.sqrt(share * (1 - share) / n)
     weights = np.array([d.weight for d in draws])
     assert abs(weights.mean() - z) < 5 * weights.std() / math.sqrt(n)
-    assert all(d.checks == d.rejected + 1 + 2 for d in draws)
+    assert all(d.checks == d.rejected + 1 + 2 + min(d.rejected, EXTRA_DRAWS_CAP) for d in draws)  # N = 2 + |R| (capped)
 
 
 def test_awrs_draw_errors_on_an_empty_constrained_step():
@@ -119,3 +119,45 @@ def test_awrs_pick_on_a_grammar_engine_samples_the_masked_distribution_and_leave
     after = allocate_bitmask(1, engine.vocab_size)
     matcher.fill(after, 0)
     assert torch.equal(after, bitmask)  # every check was rolled back
+
+
+def test_weight_draws_grow_with_rejections_and_stay_unbiased_on_a_hand_computed_step():
+    # allowed a (p 0.1), forbidden b (0.9), one base weight draw. First draw a (p 0.1): R = {}, N = 1, the draw
+    # hits a with p 0.1 -> E[w] = 0.1. First draw b (p 0.9): R = {b}, N = 1 + 1 = 2 draws from {a} alone, each
+    # worth 1 - 0.9 = 0.1 -> w = 0.1 exactly. E[w] = 0.1 * 0.1 + 0.9 * 0.1 = 0.1 = Z.
+    law, expected = awrs_law([0.1, 0.9], {0}, weight_draws=1)
+    assert law == {0: pytest.approx(1.0)} and expected == pytest.approx(0.1, rel=1e-12)
+    rng = np.random.default_rng(0)
+    after_rejection = [d for d in (awrs_draw([0.1, 0.9], {0}.__contains__, rng, weight_draws=1) for _ in range(200))
+                       if d.rejected]
+    assert after_rejection and all(d.checks == 4 and d.weight == pytest.approx(0.1) for d in after_rejection)
+
+
+def test_remaining_draws_from_p_without_the_removed_tokens_exactly():
+    from decodelab.constrained.awrs import Remaining
+
+    p = tiny_step_probs()
+    left = Remaining(p)
+    for token in (5, 0, 3):
+        left.remove(token)
+    q = p.copy()
+    q[[5, 0, 3]] = 0
+    q /= q.sum()
+    assert left.mass == pytest.approx(1 - p[[5, 0, 3]].sum() / p.sum())
+    # the draw maps u in [0, mass) onto the kept intervals: a grid of u values lands on each kept token in
+    # proportion to its probability, and never on a removed one
+    hits = np.zeros(len(p))
+
+    class Grid:
+        def __init__(self, n):
+            self.values = iter((np.arange(n) + 0.5) / n)
+
+        def random(self):
+            return next(self.values)
+
+    n = 100_000
+    grid = Grid(n)
+    for _ in range(n):
+        hits[left.draw(grid)] += 1
+    assert hits[[5, 0, 3]].sum() == 0
+    np.testing.assert_allclose(hits / n, q, atol=2 / n)

@@ -80,24 +80,33 @@ def test_sampled_generate_outputs_all_validate(engines, tok, tiny49k):
     assert all(res.finished) and all(res.valid)
 
 
+@pytest.mark.parametrize("mode", ["tokens", "draft"])
 @pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
-def test_greedy_with_token_jump_forward_equals_greedy_without(engines, tok, tiny49k, engine_name):
+def test_greedy_with_exact_jump_forward_equals_greedy_without(engines, tok, tiny49k, engine_name, mode):
     items = S.schema_items([e for e in SUITE if e["fixed_keys"]][:3], tok)
     for item in items:
         off = C.generate(tiny49k, [item["prompt"]], item["constraint"], engines[engine_name], max_new_tokens=120)
         jf = C.generate(tiny49k, [item["prompt"]], item["constraint"], engines[engine_name], max_new_tokens=120,
-                        jump_forward="tokens")
+                        jump_forward=mode, tokenizer=tok)
         assert jf.tokens == off.tokens
         assert jf.forward_passes + jf.jumped_tokens == off.forward_passes
 
 
-def test_batched_jump_forward_rows_equal_single_row_runs(engines, tok, tiny49k):
+@pytest.mark.parametrize("mode", ["tokens", "draft"])
+def test_batched_jump_forward_rows_equal_single_row_runs(engines, tok, tiny49k, mode):
     items = S.schema_items(SUITE[:2], tok)
     batch = C.generate(tiny49k, [i["prompt"] for i in items], [i["constraint"] for i in items], engines["xgrammar"],
-                       max_new_tokens=120, jump_forward="tokens")
+                       max_new_tokens=120, jump_forward=mode, tokenizer=tok)
     for row, item in enumerate(items):
         single = C.generate(tiny49k, [item["prompt"]], item["constraint"], engines["xgrammar"], max_new_tokens=120)
         assert batch.tokens[row] == single.tokens[0]
+
+
+def test_draft_jump_forward_refuses_a_sampler(engines, tok, tiny49k):
+    item = S.schema_items(SUITE[:1], tok)[0]
+    with pytest.raises(ValueError, match="jump_forward='draft'.*greedy"):
+        C.generate(tiny49k, [item["prompt"]], item["constraint"], engines["xgrammar"], max_new_tokens=8,
+                   jump_forward="draft", sampler=Sampler(SamplerConfig(temperature=1.0)), tokenizer=tok)
 
 
 def test_retokenize_jump_forward_outputs_validate_and_save_passes(engines, tok, tiny49k):

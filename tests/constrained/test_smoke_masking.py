@@ -22,6 +22,8 @@ def test_exact_jump_forward_greedy_output_equals_plain_masked_greedy_on_smoke(me
     assert metrics["jump_forward_schemas"] >= 1
     assert metrics["jump_forward_greedy_identical"] is True
     assert metrics["jump_forward_outputs_changed"]["tokens"] == 0
+    assert metrics["jump_forward_outputs_changed"]["draft"] == 0  # the verified draft keeps greedy output too
+    assert metrics["jump_forward_tokens_changed"]["draft"] == 0
 
 
 def test_kl_and_tv_values_lie_in_their_ranges_on_smoke(metrics):
@@ -56,7 +58,8 @@ def test_free_then_constrained_answers_all_validate_on_smoke(metrics, params):
 
 def test_awrs_rows_are_timed_and_check_far_fewer_tokens_than_a_mask_on_smoke(metrics, params):
     ops = metrics["corrector_ops_s"]
-    assert set(ops) == {"forward", "softmax", "draw", "mask", "check"} and all(v > 0 for v in ops.values()), ops
+    assert set(ops) == {"forward", "softmax", "draw", "cdf", "awrs_draw", "mask", "check"}, ops
+    assert all(v > 0 for v in ops.values()), ops
     per_token = metrics["checks_per_token"]
     assert 1 <= per_token["awrs"] < 1000 and per_token["awrs_smc"] > per_token["awrs"], per_token  # + weight draws
     assert per_token["masked"] == 0 and per_token["rejection"] == 1, per_token

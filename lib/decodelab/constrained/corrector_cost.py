@@ -9,7 +9,9 @@ constraints, and a run's wall time is assembled from its counts:
 
     wall = forward_passes * (t_forward + t_softmax) + draws * t_draw + masks * t_mask + checks * t_check
 
-draws = checks for AWRS (a check follows each draw), forward_passes otherwise. The forward is the fastest
+draws = forward_passes otherwise; AWRS instead pays one CDF per sampled token (t_cdf) and, per check, one
+draw from that CDF with the rejected tokens skipped (t_awrs_draw: `awrs.Remaining.draw`, a walk past R and
+a binary search, not a new pass over the vocabulary). The forward is the fastest
 timed decode step at batch 1 (the same for every method, so it sets the scale; the per-token differences
 between methods are the mask against the checks).
 """
@@ -21,12 +23,14 @@ import numpy as np
 import torch
 
 from decodelab.common.goals import Goal
+from decodelab.constrained.awrs import Remaining
 from decodelab.constrained.bitmask import allocate_bitmask, apply_bitmask
 from decodelab.constrained.constraint import Constraint
 
 KL_TARGET = 0.01      # nats: "exact" for the goal
 WALL_FACTOR = 1.5     # ... within this multiple of plain masking's wall time
 AWRS_METHODS = ("awrs", "awrs_smc")
+REMOVED_WHEN_TIMED = 16  # rejected tokens an AWRS draw walks past when timed (about a step's rejections)
 
 
 def _mean_seconds(fn, repeats: int) -> float:
@@ -40,7 +44,7 @@ def _mean_seconds(fn, repeats: int) -> float:
 
 def operation_seconds(engine, tasks: list[dict], vocab_size: int, forward_s: float, *, repeats: int = 100,
                       seed: int = 0) -> dict[str, float]:
-    """{forward, softmax, draw, mask, check}: seconds of one of each operation (see the module doc).
+    """{forward, softmax, draw, cdf, awrs_draw, mask, check}: seconds of one of each operation (module doc).
 
     mask and check are averaged over the tasks' choice constraints at their start state: a full bitmask fill
     plus its application to (1, V) logits; one `accept` of a token drawn uniformly from the vocabulary
@@ -74,18 +78,25 @@ def operation_seconds(engine, tasks: list[dict], vocab_size: int, forward_s: flo
             matcher.rollback(1)
 
         checks.append(_mean_seconds(check_allowed, repeats))
+    p = probs.double().numpy()
+    left = Remaining(p)
+    for token in np.argsort(-p)[:REMOVED_WHEN_TIMED]:  # a step that already rejected its likeliest tokens
+        left.remove(int(token))
     return {"forward": forward_s,
             "softmax": _mean_seconds(lambda: torch.softmax(logits, -1), repeats),
             "draw": _mean_seconds(lambda: torch.multinomial(probs, 1, generator=gen), repeats),
+            "cdf": _mean_seconds(lambda: Remaining(p), repeats),
+            "awrs_draw": _mean_seconds(lambda: left.draw(rng), repeats),
             "mask": float(np.mean(masks)), "check": float(np.mean(checks))}
 
 
 def wall_seconds(row: dict, ops: dict[str, float]) -> float:
     """A corrector row's (forward_passes, masks, checks) -> its wall seconds under `ops`."""
     passes = row["forward_passes"]
-    draws = row["checks"] if row["method"] in AWRS_METHODS else passes
-    return (passes * (ops["forward"] + ops["softmax"]) + draws * ops["draw"] + row["masks"] * ops["mask"]
-            + row["checks"] * ops["check"])
+    base = passes * (ops["forward"] + ops["softmax"]) + row["masks"] * ops["mask"] + row["checks"] * ops["check"]
+    if row["method"] in AWRS_METHODS:
+        return base + passes * ops.get("cdf", 0.0) + row["checks"] * ops.get("awrs_draw", ops["draw"])
+    return base + passes * ops["draw"]
 
 
 def with_wall(rows: list[dict], ops: dict[str, float]) -> list[dict]:

@@ -12,6 +12,9 @@ Jump-forward modes:
 - "tokens": while the mask allows exactly one token, append it without asking the model. Greedy output
   is token-for-token the same as "off" (a one-token mask leaves argmax no choice); those tokens then ride
   in the next forward together, so the forward passes for them are saved.
+- "draft": the tokens of the forced string ride as a draft in the next forward, which also verifies them:
+  the longest prefix equal to the masked argmax at each position is kept, then that argmax (greedy only;
+  output token-for-token the same as "off", see `jump_forward.forced_draft`).
 - "retokenize": SGLang-style. Append the whole string the grammar forces (`forced_string`), re-tokenizing
   the last sampled token + that string canonically, since the boundary token may merge with it. Saves more
   passes but picks the tokenization itself, so outputs can differ from "off" (the notebook measures how often).
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decodelab.constrained.jump_forward import forced_tokens, retokenize_forward
+from decodelab.constrained.jump_forward import forced_draft, forced_tokens, retokenize_forward
 from decodelab.constrained.masks import (
     BatchMasker,
     Constraint,
@@ -36,7 +39,7 @@ from decodelab.constrained.masks import (
 )
 from decodelab.core.engine import Feed, PolicyBase
 
-JUMP_FORWARD = ("off", "tokens", "retokenize")
+JUMP_FORWARD = ("off", "tokens", "draft", "retokenize")
 
 
 __all__ = ["Constraint", "ConstraintError", "UnsupportedConstraint", "make_engine", "generate", "validate_output",
@@ -101,24 +104,32 @@ class GrammarPolicy(PolicyBase):
     def __init__(self, masker: BatchMasker, engine: MaskEngine, jump_forward: str, tokenizer, result, extra: int):
         self.masker, self.engine, self.jump_forward, self.tokenizer = masker, engine, jump_forward, tokenizer
         self.result, self.extra = result, extra
+        self.drafts: dict[int, list[int]] = {}  # "draft" mode: each row's draft riding in the next forward
 
-    def first(self, loop, logits: torch.Tensor) -> dict[int, list[int]]:
-        alive = loop.alive
+    def _masked(self, loop, logits: torch.Tensor) -> torch.Tensor:
+        """(B', V) logits of the current batch rows -> the same with what each alive row's grammar forbids at
+        -inf (one mask fill per alive row, timed)."""
         start = time.perf_counter()
-        bitmask = self.masker.fill(alive)
+        bitmask = self.masker.fill(loop.alive)
         if len(loop.rows) < loop.batch:
             bitmask = bitmask[torch.tensor(loop.rows)]
         masked = apply_bitmask(logits.float(), bitmask.to(logits.device))
         self.result.mask_s.append(time.perf_counter() - start)
-        picked = dict(zip(loop.rows, loop.pick(masked).tolist()))
+        return masked
+
+    def first(self, loop, logits: torch.Tensor, kept: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+        alive = loop.alive
+        picked = dict(zip(loop.rows, loop.pick(self._masked(loop, logits)).tolist()))
         emitted = {}
         for r in alive:
             matcher = self.masker.matchers[r]
             if not matcher.accept(picked[r]):
                 raise RuntimeError(f"engine {self.engine.name!r} rejected token {picked[r]} it allowed (row {r})")
-            emitted[r] = [picked[r]]
-            budget = loop.max_new_tokens - len(loop.tokens[r]) - 1
-            if self.jump_forward == "tokens":
+            emitted[r] = [*(kept or {}).get(r, []), picked[r]]
+            budget = loop.max_new_tokens - len(loop.tokens[r]) - len(emitted[r])
+            if self.jump_forward == "draft":
+                self.drafts[r] = [] if matcher.is_terminated() else forced_draft(matcher, self.tokenizer, budget)
+            elif self.jump_forward == "tokens":
                 loop.force(r, forced_tokens(matcher, self.engine.vocab_size, budget))
             elif self.jump_forward == "retokenize" and not matcher.is_terminated():
                 emitted[r] = retokenize_forward(matcher, emitted[r], self.tokenizer, budget)
@@ -126,12 +137,43 @@ class GrammarPolicy(PolicyBase):
         return emitted
 
     def feed(self, loop) -> Feed:
+        if self.jump_forward == "draft":  # every row feeds its pending token + draft, padded: logits everywhere
+            for r in loop.rows:  # the kept draft tokens are in the cache already: only the last pick is new
+                loop.pending[r] = loop.pending[r][-1:] + self.drafts.pop(r, []) if not loop.done[r] else []
+            return Feed(loop.pending_batch()[0], mode="all")
         tokens, n_new = loop.pending_batch()
         return Feed(tokens, mode="last", n_new=n_new)
 
     def accept(self, loop, logits: torch.Tensor, hidden) -> dict[int, list[int]]:
         self.result.forward_passes += 1
-        return self.first(loop, logits)
+        if self.jump_forward != "draft":
+            return self.first(loop, logits)
+        return self._verify(loop, logits)
+
+    def _verify(self, loop, logits: torch.Tensor) -> dict[int, list[int]]:
+        """logits (B', T, V) after each row's pending token and draft -> keep the draft up to the first token
+        that differs from the masked argmax there, then pick at that position (`first`), and roll the cache
+        back past the rest. Position j's logits follow the pending token and draft[:j]."""
+        kept = {}
+        at = torch.zeros(len(loop.rows), dtype=torch.long)    # draft tokens kept per batch row
+        keep = torch.zeros(len(loop.rows), dtype=torch.long)  # cache positions kept of this forward's T
+        for i, r in enumerate(loop.rows):
+            if loop.done[r]:
+                continue
+            draft, matcher = loop.pending[r][1:], self.masker.matchers[r]
+            n = 0
+            while n < len(draft):
+                row_mask = self.masker.fill([r])[r:r + 1]
+                best = int(apply_bitmask(logits[i, n][None].float(), row_mask.to(logits.device)).argmax())
+                if best != draft[n] or not matcher.accept(best):
+                    break
+                n += 1
+            kept[r], at[i], keep[i] = draft[:n], n, 1 + n  # the pending token + the kept draft
+        lengths = loop.cache.lengths - logits.shape[1] + keep.to(loop.cache.lengths.device)
+        loop.cache.truncate(lengths)
+        index = at.to(logits.device).clamp(max=logits.shape[1] - 1)
+        step_logits = logits[torch.arange(len(loop.rows), device=logits.device), index]
+        return self.first(loop, step_logits, kept)  # counts the kept draft tokens as jumped
 
     def stopped(self, loop, row: int) -> bool:
         return self.masker.matchers[row].is_terminated()
@@ -153,6 +195,9 @@ def generate(model, prompts: list[list[int]], constraint: Constraint | list[Cons
 
     if jump_forward not in JUMP_FORWARD:
         raise ValueError(f"jump_forward={jump_forward!r} must be one of {list(JUMP_FORWARD)}")
+    if jump_forward == "draft" and sampler is not None:
+        raise ValueError("jump_forward='draft' verifies drafts against the argmax, so it is exact for greedy "
+                         "decoding only: pass sampler=None, or use jump_forward='tokens'")
     validate_generation_args(prompts, max_new_tokens)
     constraints = constraint if isinstance(constraint, list) else [constraint] * len(prompts)
     if len(constraints) != len(prompts):

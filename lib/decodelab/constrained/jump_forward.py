@@ -8,7 +8,16 @@ Two ways (see `constrained.generate`, jump_forward=...):
   the tokenizer, since e.g. '"' + ',"age":' tokenizes differently from the two parts. The model never
   chose that tokenization, so later tokens can differ from decoding without jump-forward.
 
-Both are pure functions of a matcher (and a tokenizer); `constrained.jump_forward_study` measures what
+- `forced_draft` ("draft", greedy only): the tokenizer's own tokens of the forced string are a draft the
+  model verifies in the forward that scores the sampled token (speculative decoding with a draft that costs
+  nothing). Position j of that forward gives the masked argmax after the sampled token and the first j draft
+  tokens; a draft token is kept while it equals that argmax, and the first mismatch is replaced by the
+  argmax itself. Every kept token is the token greedy decoding without jump-forward picks at that position,
+  so the output is token-for-token the same as "off"; what "tokens" cannot reach are forced strings the
+  mask spells several ways (e.g. '"age":' as one token or as '"', 'age', '":'), which this verifies instead
+  of trusting.
+
+All are pure functions of a matcher (and a tokenizer); `constrained.jump_forward_study` measures what
 they save.
 """
 from __future__ import annotations
@@ -60,3 +69,19 @@ def retokenize_forward(matcher, pending: list[int], tokenizer, budget: int) -> l
         if drop:
             matcher.accept(last)
     return pending
+
+
+def forced_draft(matcher, tokenizer, budget: int) -> list[int]:
+    """The tokenizer's tokens of the string the grammar forces next, cut before the first token the grammar
+    rejects and at `budget` tokens. The matcher is left where it was (every accepted token is rolled back)."""
+    forced = matcher.forced_string()
+    if not forced or tokenizer is None or budget < 1:
+        return []
+    draft = []
+    for token in tokenizer(forced, add_special_tokens=False).input_ids[:budget]:
+        if not matcher.accept(token):
+            break
+        draft.append(token)
+    if draft:
+        matcher.rollback(len(draft))
+    return draft

@@ -36,8 +36,10 @@ def findings_markdown(goal_rows: list, distortion_rows, corrected_rows, validity
             f"of {r['n']} truncated)" for r in validity_rows) + ".",
         "- Mask fill per token, compact JSON (mean / p50 / p99): " + ", ".join(
             f"{r['engine']} {r['mean_us']:.3g} / {r['p50_us']:.3g} / {r['p99_us']:.3g} µs" for r in fill) + ".",
-        f"- Jump-forward on {jf_summary['schemas']} fixed-key schema(s): output-preserving mode saves "
-        f"{format_value(jf_summary['saved_frac'].get('tokens'), '%')} of forward passes (greedy output identical: "
+        f"- Jump-forward on {jf_summary['schemas']} fixed-key schema(s): output-preserving modes save "
+        f"{format_value(jf_summary['saved_frac'].get('tokens'), '%')} (one-token masks) and "
+        f"{format_value(jf_summary['saved_frac'].get('draft'), '%')} (verified forced-string drafts) of forward "
+        "passes (greedy output identical: "
         f"{format_value(jf_summary['greedy_identical'])}); re-tokenizing saves "
         f"{format_value(jf_summary['saved_frac'].get('retokenize'), '%')} and changed the text of "
         f"{jf_summary['changed'].get('retokenize', 0)} and the tokens of "
