@@ -5,7 +5,14 @@ import torch
 from decodelab.core import engine
 from decodelab.speculation import bench as speculative_bench
 from decodelab.speculation import decode as speculative
-from decodelab.speculation.drafters import DraftContext, ModelDrafter, NGramDrafter, truncated_model
+from decodelab.speculation.drafters import (
+    DraftContext,
+    DrafterBase,
+    DraftProposal,
+    ModelDrafter,
+    NGramDrafter,
+    truncated_model,
+)
 from decodelab.speculation.row_policy import RowBudgetPolicy
 from decodelab.speculation.speedup_stats import speedup_interval
 
@@ -115,3 +122,71 @@ def test_interleaved_runs_report_a_speedup_interval_around_the_fastest_round(tin
     for r in rows:
         assert r["speedup_low"] <= r["speedup_high"]
     assert rows[0]["speedup_low"] <= 1.0 <= rows[0]["speedup_high"]
+
+
+class _Pessimist(RowBudgetPolicy):
+    """Starts as if every earlier draft had been rejected: verified evidence alone would never make it draft."""
+
+    def begin(self, batch_size):
+        super().begin(batch_size)
+        self.pool_reached, self.pool_accepted = 50.0, 0.0
+
+
+def test_free_first_draft_evidence_lets_a_pessimistic_policy_learn():
+    policy = _Pessimist(lambda b, n, s: 1.0)  # verification is free: drafting pays once drafts are accepted
+    policy.begin(2)
+    active, zeros = torch.ones(2, dtype=torch.bool), torch.zeros(2, dtype=torch.long)
+    assert policy.choose_rows(active, context=10.0).tolist() == [0, 0]
+    for _ in range(3):  # plain steps only: nothing verified, so without `free` nothing would change
+        policy.update_rows(zeros, zeros, active, step_s=1.0, draft_s=0.0)
+    assert policy.choose_rows(active, context=10.0).tolist() == [0, 0]
+    for _ in range(10):  # row 0's unverified first drafts keep matching the emitted token, row 1's never
+        policy.update_rows(zeros, zeros, active, step_s=1.0, draft_s=0.0,
+                           free=(torch.tensor([True, True]), torch.tensor([True, False])))
+    row_k = policy.choose_rows(active, context=10.0)
+    assert row_k[0] > row_k[1] and row_k[0] >= 4  # free verification: even a weak row may get a draft
+
+
+def test_a_drafter_is_asked_only_where_some_draft_could_pay():
+    assert not RowBudgetPolicy(_never_pays).worth_asking(4, context=10.0)
+    assert RowBudgetPolicy(lambda b, n, s: 1.0).worth_asking(4, context=10.0)
+    assert not RowBudgetPolicy(lambda b, n, s: 1.0).worth_asking(0, context=10.0)
+
+
+class _Copier(DrafterBase):
+    """A cheap drafter that proposes the target's own greedy continuation (a prompt the answer copies exactly)."""
+
+    name, cheap = "copier", True
+
+    def __init__(self, prompts, answers):
+        self.starts, self.answers = [len(p) for p in prompts], answers
+
+    def _propose(self, ctx, k):
+        rows = []
+        for b, seq in enumerate(ctx.tokens):
+            got = self.answers[b][len(seq) - self.starts[b]:][:k]
+            rows.append(got + [seq[-1]] * (k - len(got)))
+        lengths = [min(k, max(len(self.answers[b]) - (len(s) - self.starts[b]), 0)) for b, s in enumerate(ctx.tokens)]
+        return DraftProposal(tokens=torch.tensor(rows), lengths=torch.tensor(lengths))
+
+
+def test_a_pessimistic_policy_drafts_on_a_copying_prompt_from_free_evidence(tiny):
+    prompts = _prompts()
+    ref = engine.generate(tiny, prompts, max_new_tokens=24, eos_token_ids=[])
+    out = speculative.generate(tiny, prompts, _Copier(prompts, ref.tokens), k=_Pessimist(lambda b, n, s: 1.0),
+                               max_new_tokens=24, eos_token_ids=[])
+    assert out.tokens == ref.tokens
+    # its first steps are plain (the pessimistic prior), then the free evidence makes it draft
+    assert out.stats.step_k[0] == 0 and any(k > 0 for k in out.stats.step_k)
+    assert out.stats.tau > 1.5
+
+
+def test_the_k0_benchmark_reuses_the_shared_prefill_for_both_sides(tiny, monkeypatch):
+    calls = []
+    real = engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    pre = speculative.prefill(tiny, _prompts(), max_new_tokens=6)
+    calls.clear()
+    res = speculative_bench.k0_overhead(tiny, _prompts(), NGramDrafter, lambda b: RowBudgetPolicy(_never_pays),
+                                        max_new_tokens=6, repeats=2, eos_token_ids=[], prefilled=pre)
+    assert calls == [] and res["nonzero_k_steps"] == 0 and res["same_tokens"] is True and res["policy_s"] >= 0

@@ -71,8 +71,9 @@ def _row(stats: SpecStats, **labels) -> dict:
 
 
 def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_new_tokens: int, sampler=None,
-                seed: int = 0, eos_token_ids=None, repeats: int = 1) -> list[dict]:
+                seed: int = 0, eos_token_ids=None, repeats: int = 1, prefilled=None) -> list[dict]:
     """Run plain decoding and each method on one shared prefill of `prompts`, `repeats` interleaved rounds.
+    prefilled: a `decode.prefill` of these prompts to share (e.g. with `k0_overhead`), None = prefill here.
 
     methods: (drafter_name, make_drafter() -> Drafter, k: int or make_policy(batch) -> AdaptivePolicy).
     Each round runs plain, method 1, method 2, ... in turn (the order rotated by one per round); each
@@ -83,7 +84,7 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
     """
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an int >= 1")
-    pre = prefill(model, prompts, max_new_tokens=max_new_tokens)
+    pre = prefilled if prefilled is not None else prefill(model, prompts, max_new_tokens=max_new_tokens)
     B = len(prompts)
 
     def one(drafter, k):
@@ -114,29 +115,30 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
 
 @torch.inference_mode()
 def k0_overhead(model, prompts: list[list[int]], make_drafter, make_policy, *, max_new_tokens: int,
-                repeats: int = 3, eos_token_ids=None) -> dict:
+                repeats: int = 3, eos_token_ids=None, prefilled=None) -> dict:
     """What a speculative run whose policy chooses k = 0 at every step costs over `engine.generate`.
 
     make_policy(batch) -> a policy that decides every step (its decision time is inside the step clock)
     and chooses k = 0 (e.g. a RowBudgetPolicy on a step-time model where speculation never pays); the
-    drafter keeps its state. Both decode the same prompts, greedy, `repeats` interleaved rounds (order
-    alternating); each keeps its fastest decode (background load only adds time). The prefill is timed
-    apart on both sides. -> {overhead: k0 decode_s / plain decode_s - 1, plain_s, k0_s, repeats, steps,
-    nonzero_k_steps (must be 0), same_tokens}.
+    drafter keeps its state. Both decode the same prompts from the same prefilled cache (truncated back to
+    the prompts before each run: the same memory, so the two forwards read identical tensors), greedy,
+    `repeats` interleaved rounds (order alternating); each keeps its fastest decode (background load only
+    adds time). The prefill is not timed. prefilled: a `decode.prefill` of these prompts to reuse (the
+    sweep's), None = prefill here. -> {overhead: k0 decode_s / plain decode_s - 1, plain_s, k0_s, repeats,
+    steps, nonzero_k_steps (must be 0), same_tokens, policy_s (the k0 run's own decision seconds)}.
     """
     from decodelab.core import engine
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an int >= 1")
-    tr = as_transformer(model)
-    pre = prefill(model, prompts, max_new_tokens=max_new_tokens)
+    pre = prefilled if prefilled is not None else prefill(model, prompts, max_new_tokens=max_new_tokens)
     plain_best = spec_best = None
     for rnd in range(repeats):
         for which in ((0, 1) if rnd % 2 == 0 else (1, 0)):
             if which == 0:
-                cache, logits = engine.prefill(tr, prompts, max_new_tokens=max_new_tokens)
+                pre.cache.truncate(pre.prompt_lengths.clone())
                 res = engine.generate(model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-                                      prefilled=(cache, logits))
+                                      prefilled=(pre.cache, pre.last_logits))
                 if plain_best is None or res.stats.decode_s < plain_best.stats.decode_s:
                     plain_best = res
             else:
@@ -148,7 +150,7 @@ def k0_overhead(model, prompts: list[list[int]], make_drafter, make_policy, *, m
     return {"batch": len(prompts), "overhead": k0_s / plain_s - 1.0, "plain_s": plain_s, "k0_s": k0_s,
             "repeats": repeats, "steps": len(spec_best.stats.step_k),
             "nonzero_k_steps": sum(k > 0 for k in spec_best.stats.step_k),
-            "same_tokens": spec_best.tokens == plain_best.tokens}
+            "same_tokens": spec_best.tokens == plain_best.tokens, "policy_s": sum(spec_best.stats.policy_s)}
 
 
 def greedy_match(model, prompts: list[list[int]], drafters: dict, *, ks=(1, 4), max_new_tokens: int = 16) -> dict:

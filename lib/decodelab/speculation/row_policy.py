@@ -12,6 +12,14 @@ because every row's gains fall with j. The width with the best goodput
 
 wins if it beats plain decoding's n_active / (r_0 T(B, 1, S)) by more than `margin`; else every k_b = 0 and
 the step is a plain decode step. r_k corrects the model online from observed verify times (AdaptivePolicy).
+
+Free evidence. A policy that only learns a_b from verified drafts and starts pessimistic never drafts again
+after one bad step (every later step is plain, so nothing is verified). A cheap drafter (n-gram lookup) is
+therefore asked at every step where drafting could pay at all (`worth_asking`: some width beats plain
+decoding even if every draft were accepted); a row whose first real draft was not verified this step is
+scored against the token the step emitted instead: for a deterministic draft d_1 the target's token equals
+d_1 with probability p(d_1), which is exactly d_1's acceptance probability min(1, p(d_1) / 1), so the match
+is an unbiased sample of the row's first-position acceptance, at no forward cost (`update_rows(free=...)`).
 """
 from __future__ import annotations
 
@@ -35,7 +43,8 @@ class RowBudgetPolicy(AdaptivePolicy):
 
     def __init__(self, step_time, *, ks=K_CHOICES, verify_budget: int | None = None, min_gain: float = 0.05,
                  draft_s_per_token: float = 0.0, decay: float = 0.9, prior_strength: float = 2.0,
-                 margin: float = 0.05, time_ema: float = 0.25):
+                 margin: float = 0.05, time_ema: float = 0.25, free_evidence: bool = True):
+        self.free_evidence = free_evidence  # learn from unverified first drafts (see the module docstring)
         if verify_budget is not None and (isinstance(verify_budget, bool) or not isinstance(verify_budget, int)
                                           or verify_budget < 1):
             raise ValueError(f"verify_budget={verify_budget!r} must be None (no limit) or an int >= the batch size")
@@ -61,6 +70,7 @@ class RowBudgetPolicy(AdaptivePolicy):
         self._j = np.arange(1, max(max(self.ks), 1) + 1, dtype=float)
         self._widths = np.arange(1, max(max(self.ks), 1) + 2)
         self._seconds_at: tuple[float, np.ndarray] | None = None
+        self._ratio_vector: np.ndarray | None = None
 
     def model_seconds(self, context: float) -> np.ndarray:
         """T(B, n, context) for n = 1 .. k_max + 1 in one vectorized call (reused within the step)."""
@@ -97,18 +107,39 @@ class RowBudgetPolicy(AdaptivePolicy):
             usable &= self._j[None] <= caps[:, None]
         return np.where(usable, gains, 0.0)
 
+    def _ratios(self) -> np.ndarray:
+        """(k_max + 1,) r_k for k = 0 .. k_max, rebuilt only when a ratio was learned (not per step)."""
+        if self._ratio_vector is None:
+            self._ratio_vector = np.array([self.ratio(int(k)) for k in range(len(self._widths))])
+        return self._ratio_vector
+
+    def learn_time(self, k: int, verify_s: float, context: float) -> None:
+        super().learn_time(k, verify_s, context)
+        self._ratio_vector = None
+
+    def _best_rate(self, n_active: int, a: float, context: float) -> float:
+        """Upper bound of a step's goodput: every active row drafting at acceptance a, within the budget."""
+        k = self._j  # every width a step can take, not only the ks offered
+        run = n_active * (1 + k) if a >= 1 else n_active * (1 + a * (1 - a ** k) / (1 - a))
+        tokens = np.minimum(run, self.verify_budget if self.verify_budget is not None else np.inf)
+        seconds = self._ratios()[1:] * self.model_seconds(context)[1:] + k * self.draft_s_per_token
+        return float((tokens / seconds).max())
+
+    def worth_asking(self, n_active: int, *, context: float) -> bool:
+        """Could any width beat plain decoding if every draft were accepted? If not, no draft can change
+        this step's decision and a drafter need not be asked (nor its drafts scored as evidence)."""
+        if n_active == 0:
+            return False
+        plain_rate = n_active / (self._ratios()[0] * self.model_seconds(context)[0])
+        return self._best_rate(n_active, 1.0, context) > (1 + self.margin) * plain_rate
+
     def _could_pay(self, act: np.ndarray, n_active: int, plain_rate: float, context: float) -> bool:
         """An upper bound first (every active row drafting at the best row's acceptance, within the budget):
         when no width beats plain decoding even so, the step is plain without any per-row work."""
         if n_active == 0:
             return False
         a = float(np.clip(self.row_acceptance()[act].max(), 0.0, 0.999))
-        k = self._j  # every width a step can take, not only the ks offered
-        tokens = np.minimum(n_active * (1 + a * (1 - a ** k) / (1 - a)),
-                            self.verify_budget if self.verify_budget is not None else np.inf)
-        ratios = np.array([self.ratio(int(j)) for j in k]) if self.time_ratio else 1.0
-        seconds = ratios * self.model_seconds(context)[1:] + k * self.draft_s_per_token
-        return bool((tokens / seconds).max() > (1 + self.margin) * plain_rate)
+        return self._best_rate(n_active, a, context) > (1 + self.margin) * plain_rate
 
     def choose_rows(self, active: torch.Tensor, *, context: float, caps: torch.Tensor | None = None) -> torch.Tensor:
         """active (B,) bool, caps (B,) long or None (real drafts available per row) -> k_b (B,) long (CPU)."""
@@ -147,25 +178,37 @@ class RowBudgetPolicy(AdaptivePolicy):
         return torch.from_numpy(best)
 
     def update_rows(self, row_k: torch.Tensor, n_accepted: torch.Tensor, active: torch.Tensor, *, step_s: float,
-                    draft_s: float, context: float | None = None) -> None:
-        """After a step that verified row_k (B,) drafts per row (n_accepted (B,) kept) in step_s seconds."""
+                    draft_s: float, context: float | None = None, free=None) -> None:
+        """After a step that verified row_k (B,) drafts per row (n_accepted (B,) kept) in step_s seconds.
+
+        free: None or (scored (B,) bool, hit (B,) bool): rows whose first real draft was not verified this
+        step and whether it equals the token the step emitted (free first-position evidence, see above)."""
         ks = row_k.cpu().numpy()
         width = int(ks.max())
         if context is not None:
             self.learn_time(width, step_s - draft_s, context)
         self.row_reached *= self.decay
         self.row_accepted *= self.decay
-        if width == 0:
+        reached = np.zeros(len(ks))
+        accepted = np.zeros(len(ks))
+        if width > 0:
+            drafted = active.cpu().numpy() & (ks > 0)
+            n = n_accepted.cpu().numpy().astype(float)
+            # a row with k_b drafts reached min(n_b + 1, k_b) of them and accepted n_b
+            reached += np.where(drafted, np.minimum(n + 1, ks), 0.0)
+            accepted += np.where(drafted, n, 0.0)
+        if free is not None and self.free_evidence:
+            scored, hit = (np.asarray(x.cpu().numpy() if torch.is_tensor(x) else x, dtype=bool) for x in free)
+            reached += scored
+            accepted += scored & hit
+        if width == 0 and not reached.any():
             return
-        drafted = active.cpu().numpy() & (ks > 0)
-        n = n_accepted.cpu().numpy().astype(float)
-        # a row with k_b drafts reached min(n_b + 1, k_b) of them and accepted n_b
-        reached = np.where(drafted, np.minimum(n + 1, ks), 0.0)
-        accepted = np.where(drafted, n, 0.0)
         self.row_reached += reached
         self.row_accepted += accepted
         self.pool_reached = self.pool_reached * self.decay + float(reached.sum())
         self.pool_accepted = self.pool_accepted * self.decay + float(accepted.sum())
+        if width == 0:
+            return
         self._draft_seen += 1
         per_token = draft_s / width
         self.draft_s_per_token += (per_token - self.draft_s_per_token) / min(self._draft_seen, 10)

@@ -130,6 +130,12 @@ class SpeculativePolicy(PolicyBase):
         self.draft_time += time.perf_counter() - t0
         return proposal
 
+    def _worth_asking(self, n_active: int) -> bool:
+        t0 = time.perf_counter()
+        worth = self.policy.worth_asking(n_active, context=self.context)
+        self.policy_time += time.perf_counter() - t0
+        return worth
+
     def _choose(self, loop: TokenLoop, n_active: int, caps=None):
         t0 = time.perf_counter()
         if self.per_row:
@@ -149,15 +155,21 @@ class SpeculativePolicy(PolicyBase):
         self.all_alive = n_active == loop.batch
         self.active = self.all_active if self.all_alive else torch.tensor([not d for d in loop.done], device=device)
         self.old = cache.lengths.clone()
-        proposal = None
+        proposal, self.free_drafts = None, None
         if self.policy is None:
             step_k = self.k
         else:
             self.context = self.old.float().mean().item()
-            step_k = self._choose(loop, n_active)
-            if step_k > 0 and self.per_row and self.cheap:  # see which rows have drafts, then choose again
+            if self.per_row and self.cheap and self._worth_asking(n_active):
+                # the drafts cost ~nothing: the policy decides on each row's real drafts (caps), and a row
+                # whose first draft goes unverified is scored against the emitted token (free evidence)
                 proposal = self._propose(loop, max(self.policy.ks))
+                real = (proposal.lengths > 0 if proposal.lengths is not None
+                        else torch.ones(proposal.tokens.shape[0], dtype=torch.bool))
+                self.free_drafts = (proposal.tokens[:, 0].cpu(), real.cpu())
                 step_k = self._choose(loop, n_active, caps=proposal.lengths)
+            else:
+                step_k = self._choose(loop, n_active)
         if step_k > len(stats.reached):  # deeper drafts than K_CHOICES: grow the per-position counters
             grow = step_k - len(stats.reached)
             stats.reached += [0] * grow
@@ -216,6 +228,15 @@ class SpeculativePolicy(PolicyBase):
             emitted[b] = drafts_list[b][:nb] + [next_list[b]]
         return emitted
 
+    def _free_evidence(self, row_k: torch.Tensor):
+        """(scored (B,), hit (B,)) bool: active rows with a real first draft that this step did not verify,
+        and whether it equals the token the step emitted there (its next token: n_b = 0 for such a row)."""
+        if self.free_drafts is None:
+            return None
+        first, real = self.free_drafts
+        scored = real & self.active.cpu() & (row_k == 0)
+        return scored, scored & (first == self.next.cpu())
+
     def end_step(self, loop: TokenLoop) -> None:
         if self.step_k is None:  # after the prefill: nothing was drafted yet
             return
@@ -231,7 +252,7 @@ class SpeculativePolicy(PolicyBase):
             if self.per_row:
                 row_k = torch.tensor(self.lengths, dtype=torch.long)  # all zeros on a plain step
                 self.policy.update_rows(row_k, self.n, self.active, step_s=verify_s + self.draft_time,
-                                        draft_s=self.draft_time, context=self.context)
+                                        draft_s=self.draft_time, context=self.context, free=self._free_evidence(row_k))
             else:
                 self.policy.update(self.step_k, self.n, self.active, verify_s + self.draft_time, self.draft_time,
                                    lengths=self.lengths, context=self.context)
