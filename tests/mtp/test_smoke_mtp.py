@@ -11,7 +11,7 @@ GRAD_TOLERANCE = 1e-5  # max |g_sequential - g_joint|: float32 summation-order n
 STATED_GOALS = {"step_time_ratio", "peak_mem_ratio", "retrofit_head2_acceptance_gloeckle",
                 "retrofit_head2_acceptance_deepseek", "retrofit_speedup_b1_gloeckle", "retrofit_speedup_b1_deepseek",
                 "retrofit_tau_3_positions", "self_spec_greedy_identical", "module_pos1_acceptance_code_edit",
-                "module_speedup_b1_code_edit", "module_tau_3_positions", "module_train_minutes"}
+                "module_speedup_b1_code_edit", "module_tau_3_positions", "module_train_seconds"}
 
 
 def test_one_head_loss_equals_next_token_loss_on_smoke(metrics):
