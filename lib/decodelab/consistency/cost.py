@@ -131,15 +131,6 @@ def time_method(model, method: str, prompt: list[int], n: int, *, new_tokens: in
     return seconds, output
 
 
-def peak_memory(model, method: str, prompt: list[int], n: int, *, new_tokens: int, sampler=None,
-                seed: int = 0) -> tuple[int, str]:
-    """Peak bytes one `run_method` call adds, measured on its own untimed call (the instrument's garbage
-    collection and allocator trim stay off the clock) -> (bytes, how)."""
-    with PeakMemory(model.device) as memory:
-        run_method(model, method, prompt, n, new_tokens=new_tokens, sampler=sampler, seed=seed)
-    return memory.peak_bytes, memory.how
-
-
 def measure_point(model, methods: Sequence[str], prompt: list[int], n: int, *, new_tokens: int, sampler=None,
                   seed: int = 0, repeats: int = 3) -> list[dict]:
     """Every method at one (prompt, n): `repeats` timed calls each, interleaved (repeat r runs the methods
