@@ -295,6 +295,16 @@ def test_baselines_skipped_beyond_the_token_budget(tiny):
         ("hf_num_return_sequences", 1), ("shared", 1), ("shared", 4), ("unshared", 1)]
 
 
+def test_unshared_baseline_has_its_own_tighter_budget(tiny):
+    from decodelab.consistency.cost import cost_sweep
+
+    rows = cost_sweep(tiny, [20], [1, 4], new_tokens=2, baseline_max_tokens=80, unshared_max_tokens=40,
+                      progress=False, repeats=1)
+    assert sorted((r["method"], r["n"]) for r in rows) == [
+        ("hf_num_return_sequences", 1), ("hf_num_return_sequences", 4), ("shared", 1), ("shared", 4),
+        ("unshared", 1)]
+
+
 def test_check_shared_equals_unshared_on_tiny(tiny):
     from decodelab.consistency.cost import long_prompt
     from decodelab.consistency.experiment import check_shared_equals_unshared
