@@ -30,8 +30,8 @@ def test_retrofit_experiment_trains_each_design_on_the_frozen_model_and_records_
     before = {k: v.clone() for k, v in loaded.hf_model.state_dict().items()}
     out = mtp_experiment.retrofit_experiment(
         "tiny-dir", corpus, styles=["gloeckle", "deepseek"], n_heads=2, seq_len=16, train_tokens=64, val_tokens=32,
-        steps=2, batch_size=2, lr=1e-3, seed=0, spec_batch_sizes=[1, 2], spec_new_tokens=4, timing_repeats=1,
-        checkpoint_root=tmp_path / "checkpoints", loaded=loaded)
+        steps=2, batch_size=2, lr=1e-3, seed=0, spec_batch_sizes=[1, 2], spec_new_tokens=4, timing_repeats=2,
+        other_repeats=1, checkpoint_root=tmp_path / "checkpoints", loaded=loaded)
     assert out["frozen_bit_identical"] is True
     assert all(torch.equal(before[k], v) for k, v in loaded.hf_model.state_dict().items())
     assert [r["name"] for r in out["results"]] == ["retrofit-gloeckle-2", "retrofit-deepseek-2"]
@@ -39,6 +39,7 @@ def test_retrofit_experiment_trains_each_design_on_the_frozen_model_and_records_
     assert [(row["model"], row["batch"]) for row in out["draft_rows"]] == [
         ("retrofit-gloeckle-2", 1), ("retrofit-gloeckle-2", 2), ("retrofit-deepseek-2", 1), ("retrofit-deepseek-2", 2)]
     assert all(row["greedy_match"] is True for row in out["draft_rows"])
+    assert [row["repeats"] for row in out["draft_rows"]] == [2, 1, 2, 1]  # timing_repeats at batch 1 only
     meta = json.loads((tmp_path / "checkpoints" / "retrofit-gloeckle-2" / "mtp_config.json").read_text())
     assert meta["retrofit_model"] == "tiny-dir" and meta["frozen_trunk"] is True
     reloaded = mtp_checkpoint.load_checkpoint(tmp_path / "checkpoints" / "retrofit-gloeckle-2", trunk=loaded.hf_model)

@@ -78,3 +78,18 @@ def test_shipped_module_keeps_next_token_logits_and_greedy_output_on_smoke(metri
     assert metrics["retrofit_module_greedy_match"] is True
     module = metrics["retrofit_module"]
     assert module["source"] == "shipped" and module["problems"] == []  # the shipped record matches the default spec
+
+
+def test_training_cost_is_measured_at_the_cost_size_with_the_whole_training_state_on_smoke(smoke_runs, metrics,
+                                                                                          params):
+    import pandas as pd
+
+    at = metrics["cost_measured_at"]
+    assert (at["d_model"], at["n_layers"], at["seq_len"], at["batch_size"], at["n_heads"]) == (
+        params["cost_d_model"], params["cost_n_layers"], params["cost_seq_len"], params["cost_batch_size"],
+        params["cost_n_heads"])
+    rows = pd.read_csv(smoke_runs(NAME) / "tables" / "training_cost.csv")
+    assert (rows.total_peak_bytes == rows.state_bytes + rows.peak_bytes).all()
+    assert (rows.peak_bytes >= 4 * rows.params).all()  # the float32 gradient buffers each step allocates
+    assert metrics["flop_ratio"] > 1.0
+    assert metrics["peak_mem_ratio"] == rows.total_peak_bytes[1] / rows.total_peak_bytes[0]

@@ -119,8 +119,19 @@ class PeakMemory:
         return False
 
 
+def peak_above_entry(events: list[tuple[int, int]]) -> int:
+    """Peak of a running allocation counter above its value before the first event: events [(bytes, total
+    after the event)] in order (bytes < 0 for a free) -> bytes (0 for no events or nothing above entry)."""
+    if not events:
+        return 0
+    entry = events[0][1] - events[0][0]
+    return max(0, max(total for _, total in events) - entry)
+
+
 def _allocator_trace_peak(prof) -> int:
-    """Largest CPU "Total Allocated" among a finished profiler's memory events (0 if none)."""
+    """Peak CPU "Total Allocated" of a finished profiler's memory events above its value just before the first
+    one (0 if none). Not the counter's raw maximum: the counter is process-wide and keeps the bytes of every
+    tensor allocated inside an earlier trace and freed outside one, which the raw maximum would charge here."""
     import json
     import os
     import tempfile
@@ -133,9 +144,9 @@ def _allocator_trace_peak(prof) -> int:
             events = json.load(handle)["traceEvents"]
     finally:
         os.unlink(path)
-    totals = [e["args"]["Total Allocated"] for e in events
-              if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0]
-    return int(max([0, *totals]))
+    memory = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0]
+    memory.sort(key=lambda e: e["ts"])  # stable: events sharing a timestamp keep the trace's order
+    return peak_above_entry([(e["args"]["Bytes"], e["args"]["Total Allocated"]) for e in memory])
 
 
 def _proc_status_kb(field_name: str) -> int:

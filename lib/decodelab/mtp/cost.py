@@ -1,9 +1,11 @@
 """What MTP costs and buys in wall time and memory (notebook 03, sections 2 and 4).
 
 - `measure_step` / `training_cost`: step time (fastest of interleaved repeats, slowest beside it) and peak
-  memory of one forward + backward, next-token vs n heads (sequential and joint head backward). Peak memory
-  is `decodelab.common.timing.PeakMemory(how="allocator")`: CUDA max_memory_allocated, on CPU the
-  allocator's trace (its docstring says why RSS would not see these differences).
+  memory of one training step as `decodelab.mtp.train.train` runs it (forward + backward + gradient clipping +
+  AdamW step), next-token vs n heads (sequential and joint head backward), with `step_flops`'s matmul count
+  beside the measured ratio (where the two agree, the model's compute, not per-op overhead, sets the cost).
+  Peak memory: everything alive at the step's peak = parameters + optimizer state (`state_bytes`) + what the
+  step allocates above them (`step_peak_bytes`: activations, logits, gradients, temporaries).
 - `one_head_loss_diff` / `grad_check`: the exactness checks `training_cost` runs on the same batch.
 - `self_spec_benchmark`: self-speculative vs plain greedy decoding of the trunk, on one wall clock.
 Timers are `decodelab.common.timing`'s (host-synchronized; compared calls interleave).
@@ -14,52 +16,98 @@ import torch
 
 from decodelab.common.timing import PeakMemory, alternating_times, repeat_times
 from decodelab.mtp.model import MTPModel, build_model, mtp_loss
+from decodelab.mtp.train import TrainConfig, finish_step, make_optimizer
 
 
 def step_peak_bytes(fn, device) -> int:
-    """Peak bytes the allocator holds while fn() runs (see `PeakMemory`, how="allocator")."""
+    """Peak bytes fn() holds above what was live when it started (`PeakMemory`, how="allocator": CUDA
+    max_memory_allocated above entry; CPU the allocator trace's running total above its value at the block's
+    first allocation event)."""
     with PeakMemory(device, how="allocator") as memory:
         fn()
     return memory.peak_bytes
 
 
-def train_step(model: MTPModel, tokens: torch.Tensor, backward: str):
-    """One forward + backward with the given head-backward order (gradients zeroed, buffers kept): -> a callable."""
+def state_bytes(model: MTPModel, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes alive between training steps: parameters (a tied embedding once) + the optimizer's state tensors."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+                  if torch.is_tensor(t))
+    return params + moments
+
+
+def train_step(model: MTPModel, tokens: torch.Tensor, backward: str, optimizer: torch.optim.Optimizer,
+               cfg: TrainConfig | None = None):
+    """One training step as `train` runs it on one process: forward + backward with the given head-backward
+    order, gradient clipping, optimizer step: -> a callable.
+
+    The gradients are set to None at the end of the step (`train` does it at the start of the next one: the
+    same work), so each step starts from parameters + optimizer state alone and its peak counts the gradient
+    buffers it allocates, as a real training step's does.
+    """
+    cfg = cfg or TrainConfig()
+    params = model.trainable_parameters()
+
     def step():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
         mtp_loss(model, tokens, backward=backward)
+        finish_step(params, optimizer, cfg)
+        optimizer.zero_grad(set_to_none=True)
     return step
 
 
 def measure_step(model: MTPModel, tokens: torch.Tensor, *, backward: str = "sequential", repeats: int = 3) -> dict:
-    """Fastest of `repeats` forward + backward steps, and its peak memory: -> {"step_s", "step_s_max", "peak_bytes"}.
+    """Fastest of `repeats` training steps, and the peak memory of one:
+    -> {"step_s", "step_s_max", "peak_bytes" (above parameters + optimizer state), "state_bytes"}.
 
-    Gradients exist before each measured step (a warm-up step allocates them), so peak memory counts
-    activations, logits and temporaries, not the parameter gradients every variant shares.
+    A warm-up step creates the optimizer state first, so it counts in `state_bytes`, not in the peak.
     """
     tokens = tokens.to(model.device)
     model.train()
-    step = train_step(model, tokens, backward)
-    times = repeat_times(step, repeats, tokens.device, warmup=1)  # warm-up: .grad buffers and lazy state
+    optimizer = make_optimizer(model.trainable_parameters(), TrainConfig())
+    step = train_step(model, tokens, backward, optimizer)
+    times = repeat_times(step, repeats, tokens.device, warmup=1)
     peak = step_peak_bytes(step, tokens.device)
-    model.zero_grad(set_to_none=True)
     model.eval()
-    return {"step_s": min(times), "step_s_max": max(times), "peak_bytes": peak}
+    return {"step_s": min(times), "step_s_max": max(times), "peak_bytes": peak,
+            "state_bytes": state_bytes(model, optimizer)}
+
+
+def step_flops(config, n_heads: int, batch_size: int, seq_len: int) -> dict:
+    """Matmul FLOPs of one training step (backward = 2x forward) of a trunk with Llama `config` and n_heads
+    Gloeckle heads (one layer each, sharing the unembedding): -> {"layer", "unembed" (one head's d x V
+    projection), "next_token" (n = 1), "mtp" (n heads), "ratio" (mtp / next_token)}.
+
+    Per token, forward: a layer costs 2 (2 d^2 + 2 d d_kv + 3 d d_ff) for its projections plus 4 d (t + 1)
+    for causal attention at position t (scores, then values); an unembedding costs 2 d V. Norms, softmax,
+    the loss and the optimizer are not counted: the measured ratio above this one is their share and per-op
+    overhead. The next-token step is L layers + 1 unembedding; n heads add n - 1 of each.
+    """
+    d, d_ff, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    d_kv = d * config.num_key_value_heads // config.num_attention_heads
+    tokens = batch_size * seq_len
+    layer = 3 * (2 * tokens * (2 * d * d + 2 * d * d_kv + 3 * d * d_ff) + 2 * d * batch_size * seq_len * (seq_len + 1))
+    unembed = 3 * 2 * tokens * d * vocab
+    trunk = config.num_hidden_layers * layer
+    next_token, mtp = trunk + unembed, trunk + n_heads * unembed + (n_heads - 1) * layer
+    return {"layer": layer, "unembed": unembed, "next_token": next_token, "mtp": mtp, "ratio": mtp / next_token}
 
 
 def training_cost(*, vocab_size: int, d_model: int, n_layers: int, n_heads: int, seq_len: int, batch_size: int,
                   style: str = "gloeckle", seed: int = 0, device=None, repeats: int = 3) -> dict:
-    """Next-token vs n-head training at the same trunk: step time and peak memory of one fwd + bwd.
+    """Next-token vs n-head training at the same trunk (n_layers layers): step time and peak memory of one
+    training step (`train_step`: forward + backward + clipping + AdamW, as `train` runs it).
 
     Three variants on one batch: n = 1, n heads with the sequential head backward, n heads with the
-    joint one (the same model as the sequential variant). Their timed steps are interleaved, the order
-    reversed every repeat, and each variant's fastest step is its cost (the slowest is kept as spread).
-    -> {"step_time_ratio": n-head sequential / next-token (fastest steps), "peak_mem_ratio": same for peak
-        memory, "step_time_ratio_joint" / "peak_mem_ratio_joint": the naive all-heads backward,
-        "grad_check_max_abs_diff": max |g_seq - g_joint|, "one_head_loss_abs_diff": |n=1 MTP loss -
-        the trunk's own next-token loss|, "rows": per-variant measurements}.
+    joint one (the same model and optimizer as the sequential variant). After one warm-up step each (it
+    creates the optimizer state), their timed steps are interleaved, the order reversed every repeat, and
+    each variant's fastest step is its cost (the slowest is kept as spread). Peak memory is the whole
+    training state at the step's peak: `state_bytes` (parameters + AdamW moments) + `step_peak_bytes`.
+    -> {"step_time_ratio": n-head sequential / next-token (fastest steps), "peak_mem_ratio": same for the
+        peak memory, "step_peak_mem_ratio": same for the step's own allocations (activations, logits,
+        gradients) without the state, their "_joint" counterparts for the all-heads-at-once backward,
+        "flop_ratio": `step_flops`'s ratio, "grad_check_max_abs_diff": max |g_seq - g_joint|,
+        "one_head_loss_abs_diff": |n=1 MTP loss - the trunk's own next-token loss|, "cost_measured_at":
+        the size, "rows": per-variant measurements}.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,25 +117,34 @@ def training_cost(*, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
     models = {n: build_model(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n, style=style,
                              match_params=False, max_len=max(1024, seq_len), seed=seed).to(device).train()
               for n in (1, n_heads)}
+    optimizers = {n: make_optimizer(model.trainable_parameters(), TrainConfig()) for n, model in models.items()}
     variants = [(1, "sequential"), (n_heads, "sequential"), (n_heads, "joint")]
-    steps = {f"{n}-{backward}": train_step(models[n], tokens, backward) for n, backward in variants}
-    # warm-up first (.grad buffers and lazy state exist before anything is timed), then interleaved repeats
-    times = alternating_times(steps, repeats, device)
-    rows = [{"n_heads": n, "backward": backward, "step_s": min(times[key]), "step_s_max": max(times[key]),
-             "repeats": repeats, "peak_bytes": step_peak_bytes(steps[key], device)}
-            for (n, backward), key in zip(variants, steps)]
+    steps = {f"{n}-{backward}": train_step(models[n], tokens, backward, optimizers[n]) for n, backward in variants}
+    times = alternating_times(steps, repeats, device)  # one warm-up step each first: optimizer state exists
+    rows = []
+    for (n, backward), key in zip(variants, steps):
+        peak, state = step_peak_bytes(steps[key], device), state_bytes(models[n], optimizers[n])
+        rows.append({"n_heads": n, "backward": backward, "params": sum(p.numel() for p in models[n].parameters()),
+                     "step_s": min(times[key]), "step_s_max": max(times[key]), "repeats": repeats,
+                     "peak_bytes": peak, "state_bytes": state, "total_peak_bytes": state + peak})
     n1_diff = one_head_loss_diff(models[1], tokens)
     grad_diff = grad_check(models[n_heads], tokens)
     for model in models.values():
         model.zero_grad(set_to_none=True)
         model.eval()
     base, seq, joint = rows
-    return {"step_time_ratio": seq["step_s"] / base["step_s"], "peak_mem_ratio": seq["peak_bytes"] / base["peak_bytes"],
+    flops = step_flops(models[n_heads].trunk.config, n_heads, batch_size, seq_len)
+    return {"step_time_ratio": seq["step_s"] / base["step_s"],
+            "peak_mem_ratio": seq["total_peak_bytes"] / base["total_peak_bytes"],
+            "step_peak_mem_ratio": seq["peak_bytes"] / base["peak_bytes"],
             "step_time_ratio_joint": joint["step_s"] / base["step_s"],
-            "peak_mem_ratio_joint": joint["peak_bytes"] / base["peak_bytes"], "grad_check_max_abs_diff": grad_diff,
-            "one_head_loss_abs_diff": n1_diff, "cost_measured_at": {"n_heads": n_heads, "d_model": d_model,
-            "n_layers": n_layers, "seq_len": seq_len, "batch_size": batch_size, "vocab_size": vocab_size,
-            "device": device.type, "repeats": repeats}, "rows": rows}
+            "peak_mem_ratio_joint": joint["total_peak_bytes"] / base["total_peak_bytes"],
+            "step_peak_mem_ratio_joint": joint["peak_bytes"] / base["peak_bytes"],
+            "flop_ratio": flops["ratio"], "flops": {k: v for k, v in flops.items() if k != "ratio"},
+            "grad_check_max_abs_diff": grad_diff, "one_head_loss_abs_diff": n1_diff,
+            "cost_measured_at": {"n_heads": n_heads, "d_model": d_model, "n_layers": n_layers, "seq_len": seq_len,
+                                 "batch_size": batch_size, "vocab_size": vocab_size, "device": device.type,
+                                 "repeats": repeats}, "rows": rows}
 
 
 @torch.no_grad()

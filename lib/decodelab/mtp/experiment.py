@@ -67,8 +67,8 @@ def train_and_evaluate(model: MTPModel, train_blocks: torch.Tensor, val_blocks: 
 def retrofit_experiment(retrofit_model: str, corpus, *, styles: list[str], n_heads: int, seq_len: int,
                         train_tokens: int, val_tokens: int, steps: int, batch_size: int, lr: float, seed: int,
                         spec_batch_sizes: list[int], spec_new_tokens: int, timing_repeats: int,
-                        mixed_precision: str = "no", checkpoint_root: str | Path | None = None, loaded=None,
-                        progress: bool = False) -> dict:
+                        other_repeats: int | None = None, mixed_precision: str = "no",
+                        checkpoint_root: str | Path | None = None, loaded=None, progress: bool = False) -> dict:
     """Medusa-1-style retrofit: train `n_heads - 1` extra heads of each design in `styles` on the frozen
     `retrofit_model`, evaluate them, checkpoint them, and benchmark them as drafters for that model.
 
@@ -79,7 +79,9 @@ def retrofit_experiment(retrofit_model: str, corpus, *, styles: list[str], n_hea
     least 1 each). The frozen model's states are computed once and reused by every design; the heads train
     for `steps` steps of min(batch_size, blocks) blocks at peak `lr` (warmup steps // 8), seeded by `seed`.
     Designs that can draft (Gloeckle heads; DeepSeek at depth 1 only) run `self_spec_benchmark` on
-    prompts cut from the validation blocks' first seq_len // 4 tokens.
+    prompts cut from the validation blocks' first seq_len // 4 tokens: `timing_repeats` interleaved runs per
+    side at batch 1 (where the speedup goal is judged), `other_repeats` (default: timing_repeats) at the other
+    batch sizes, whose acceptance and tau do not change between runs.
     checkpoint_root: where each design's checkpoint goes (checkpoint_root / "retrofit-<style>-<n>").
     -> {"results": `train_and_evaluate` outputs per design, "draft_rows": `self_spec_benchmark` rows,
         "frozen_bit_identical": whether every weight of the frozen model is bit for bit what it was}.
@@ -110,8 +112,10 @@ def retrofit_experiment(retrofit_model: str, corpus, *, styles: list[str], n_hea
             retrofit_model=retrofit_model))
         if style == "gloeckle" or n_heads == 2:  # DeepSeek modules draft with depth 1 only
             prompts = [row[: seq_len // 4].tolist() for row in r_val[: max(spec_batch_sizes)]]
-            draft_rows += self_spec_benchmark(model, prompts, spec_batch_sizes, max_new_tokens=spec_new_tokens,
-                                              name=name, repeats=timing_repeats)
+            for batch in spec_batch_sizes:
+                repeats = timing_repeats if batch == 1 or other_repeats is None else other_repeats
+                draft_rows += self_spec_benchmark(model, prompts, [batch], max_new_tokens=spec_new_tokens,
+                                                  name=name, repeats=repeats)
     frozen_identical = all(torch.equal(frozen_before[k], v) for k, v in frozen.state_dict().items())
     return {"results": results, "draft_rows": draft_rows, "frozen_bit_identical": frozen_identical}
 

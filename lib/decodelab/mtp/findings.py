@@ -5,6 +5,7 @@
 - `frozen_next_token_loss`: the frozen model's own next-token validation loss. The heads cannot change it
   (the trunk is frozen), so it is shown labelled as the frozen model's, never as the retrofit's result.
 - `draft_value`: one number from the self-speculative rows (e.g. the acceptance of head 2 at the largest batch).
+- `cost_lines`: what section 2's training-cost measurement says, as sentences (size, measured vs predicted ratio).
 - `identical_rows` / `summary`: the caption's and the closing findings' text, generated from the numbers.
 """
 from __future__ import annotations
@@ -114,6 +115,31 @@ def _scratch_lines(metrics: dict, params: dict) -> list[str]:
     return lines
 
 
+def cost_lines(cost: dict) -> list[str]:
+    """Section 2's findings from a `decodelab.mtp.cost.training_cost` result: the size it was measured at, the
+    measured step-time ratio beside the matmul-FLOP prediction, and the memory ratio split into its parts."""
+    at, (base, seq, joint) = cost["cost_measured_at"], cost["rows"]
+    flops = cost["flops"]
+    gap = cost["step_time_ratio"] / cost["flop_ratio"] - 1
+    extra = at["n_heads"] - 1
+    return [
+        f"Measured at: a {at['n_layers']}-layer trunk, d_model={at['d_model']}, vocabulary {at['vocab_size']} "
+        f"({base['params']:,} parameters; {seq['params']:,} with {extra} extra head{'s' * (extra != 1)}), "
+        f"{at['batch_size']}x{at['seq_len']} tokens per step, on {at['device']}; the next-token step takes "
+        f"{base['step_s'] * 1e3:.0f} ms (fastest of {at['repeats']}, slowest {base['step_s_max'] * 1e3:.0f} ms).",
+        f"Step time with {at['n_heads']} heads: {cost['step_time_ratio']:.2f}x the next-token step (sequential "
+        f"backward; {cost['step_time_ratio_joint']:.2f}x joint). Matmul FLOPs predict {cost['flop_ratio']:.2f}x: "
+        f"each extra head adds one layer and one unembedding, {flops['unembed'] / flops['layer']:.2f} of a layer's "
+        f"FLOPs, to a trunk of {at['n_layers']} layers; the measured ratio is {abs(gap):.0%} "
+        f"{'above' if gap > 0 else 'below'} the prediction (norms, loss, optimizer and per-op overhead).",
+        f"Peak memory with {at['n_heads']} heads: {cost['peak_mem_ratio']:.2f}x the next-token step's "
+        f"({seq['total_peak_bytes'] / 2**20:.1f} vs {base['total_peak_bytes'] / 2**20:.1f} MiB: parameters + AdamW "
+        f"moments {seq['state_bytes'] / base['state_bytes']:.2f}x, the step's own allocations "
+        f"{cost['step_peak_mem_ratio']:.2f}x); joint backward {cost['peak_mem_ratio_joint']:.2f}x "
+        f"({joint['total_peak_bytes'] / 2**20:.1f} MiB).",
+    ]
+
+
 def summary(metrics: dict, goal_rows: list[Goal], *, scratch_params: dict | None = None) -> list[str]:
     """The closing findings as sentences, every figure read from `metrics` (metrics.json) and `goal_rows`."""
     lines = [headline(goal_rows)]
@@ -123,8 +149,10 @@ def summary(metrics: dict, goal_rows: list[Goal], *, scratch_params: dict | None
             f"A training step with {at.get('n_heads')} heads costs {metrics['step_time_ratio']:.2f}x the next-token "
             f"step with the sequential head backward ({metrics['step_time_ratio_joint']:.2f}x joint) and "
             f"{metrics['peak_mem_ratio']:.2f}x its peak memory ({metrics['peak_mem_ratio_joint']:.2f}x joint), at "
-            f"d_model={at.get('d_model')}, {at.get('n_layers')} layers, {at.get('batch_size')}x{at.get('seq_len')} "
-            f"tokens, vocabulary {at.get('vocab_size')}, on {at.get('device')} (fastest of {at.get('repeats')}).")
+            f"d_model={at.get('d_model')}, a {at.get('n_layers')}-layer trunk, {at.get('batch_size')}x"
+            f"{at.get('seq_len')} tokens, vocabulary {at.get('vocab_size')}, on {at.get('device')} (fastest of "
+            f"{at.get('repeats')})"
+            + (f"; matmul FLOPs predict {metrics['flop_ratio']:.2f}x." if "flop_ratio" in metrics else "."))
     if "grad_check_max_abs_diff" in metrics:
         diff = metrics["grad_check_max_abs_diff"]
         ok = "within" if diff <= GRAD_CHECK_TOLERANCE else "OUTSIDE"

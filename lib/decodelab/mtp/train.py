@@ -69,6 +69,18 @@ def batch_indices(n_rows: int, cfg: TrainConfig, rank: int = 0, world: int = 1):
         yield batch[rank * per_rank:(rank + 1) * per_rank]
 
 
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer every MTP training step uses (AdamW, betas (0.9, 0.95); lr is set per step by `lr_at`)."""
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+
+def finish_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """After the backward: clip the gradient norm (cfg.grad_clip; 0 = off) and take the optimizer step."""
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    optimizer.step()
+
+
 def train(model: MTPModel, blocks: torch.Tensor, cfg: TrainConfig, *, hidden: torch.Tensor | None = None,
           accelerator=None, progress: bool = False, desc: str = "train") -> TrainResult:
     """Train model's trainable parameters on blocks (N, T) for cfg.steps steps.
@@ -86,7 +98,7 @@ def train(model: MTPModel, blocks: torch.Tensor, cfg: TrainConfig, *, hidden: to
     model.to(accelerator.device)
     dataset = to_dataset(blocks)
     params = model.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    optimizer = make_optimizer(params, cfg)
     result = TrainResult()
     steps = enumerate(batch_indices(len(dataset), cfg, accelerator.process_index, accelerator.num_processes))
     if progress:
@@ -110,9 +122,7 @@ def train(model: MTPModel, blocks: torch.Tensor, cfg: TrainConfig, *, hidden: to
             logged = torch.tensor([out["loss"], *out["head_losses"]], device=accelerator.device)
             logged = accelerator.reduce(logged, reduction="mean").tolist()
             out = {"loss": logged[0], "head_losses": logged[1:]}
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
+        finish_step(params, optimizer, cfg)
         return out, tokens.numel()
 
     model.train()
