@@ -54,10 +54,14 @@ def test_k0_benchmark_and_never_loses_goals_are_recorded_on_smoke(smoke_runs):
     assert runs and all(r["nonzero_k_steps"] == 0 and r["same_tokens"] is True for r in runs)
     k0 = next(g for g in m["goals"] if g["name"] == "k0_overhead")
     assert k0["value"] == pytest.approx(max(r["overhead"] for r in runs))
-    for c in m["speedup"]:  # every cell's interval is an interval; plain's brackets 1
-        assert c["speedup_low"] <= c["speedup_high"], c
+    for c in m["speedup"]:  # every cell's interval is over its rounds and brackets their mean paired ratio
+        assert c["repeats"] >= 2 and len(c["round_speedups"]) == c["repeats"], c
+        paired = math.exp(sum(map(math.log, c["round_speedups"])) / c["repeats"])
+        assert c["speedup_low"] <= paired <= c["speedup_high"], c
     plain = [c for c in m["speedup"] if c["drafter"] == "plain"]
-    assert plain and all(c["speedup_low"] <= 1.0 <= c["speedup_high"] for c in plain)
+    # plain's row is plain against its A/A twin: its point speedup is 1 by definition, its interval the noise
+    # floor (it covers 1 in ~95% of runs: asserting that here would fail one smoke run in twenty)
+    assert plain and all(c["speedup"] == 1.0 for c in plain)
     worst = {g["name"]: g["value"] for g in m["goals"] if g["name"].startswith("adaptive_vs_plain_every_batch_")}
     for name, value in worst.items():
         drafter = name.removeprefix("adaptive_vs_plain_every_batch_")

@@ -13,7 +13,7 @@ import torch
 from decodelab.common.timing import timed
 from decodelab.core.engine import as_transformer, verify_step
 from decodelab.speculation.decode import SpecStats, generate, prefill
-from decodelab.speculation.speedup_stats import speedup_interval
+from decodelab.speculation.speedup_stats import pooled_speedup_intervals, round_rates
 
 
 @torch.inference_mode()
@@ -70,31 +70,46 @@ def _row(stats: SpecStats, **labels) -> dict:
     return {**labels, **d}
 
 
+WARMUP_TOKENS = 4  # new tokens of the untimed plain decode that warms a sweep's shared prefill up
+
+
 def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_new_tokens: int, sampler=None,
-                seed: int = 0, eos_token_ids=None, repeats: int = 1, prefilled=None) -> list[dict]:
+                seed: int = 0, eos_token_ids=None, repeats: int = 1, prefilled=None, warmup: bool = True,
+                aa_check: bool = True) -> list[dict]:
     """Run plain decoding and each method on one shared prefill of `prompts`, `repeats` interleaved rounds.
     prefilled: a `decode.prefill` of these prompts to share (e.g. with `k0_overhead`), None = prefill here.
 
     methods: (drafter_name, make_drafter() -> Drafter, k: int or make_policy(batch) -> AdaptivePolicy).
-    Each round runs plain, method 1, method 2, ... in turn (the order rotated by one per round); each
-    method keeps its fastest round (least decode time: background load only slows a run down).
-    -> one row per method (+ "plain" first) with
-    SpecStats fields of that round, `speedup` = decode tokens/s over plain's fastest round, `repeats`,
-    and `tokens` (new tokens per row, to check greedy equality; identical across rounds when greedy).
+    warmup: an untimed plain decode of WARMUP_TOKENS first (the first decode after a prefill runs on cold
+    caches and allocator state: with one round and plain always first, plain was the slow outlier).
+    Each round then runs plain, method 1, method 2, ... (and, with aa_check, plain a second time) in turn,
+    the order rotated by one per round, so no run always comes first. Each method keeps its fastest round
+    (least decode time: background load only slows a run down); `speedup` = its decode tokens/s over
+    plain's fastest round's.
+    The interval (`speedup_stats.pooled_speedup_intervals`) pairs a method's run with plain's run of the
+    same round, one wall clock per run, its noise scale pooled over the batch's runs; it needs repeats >= 2
+    (else None). aa_check: plain's second run per
+    round gives plain's own row the interval of plain vs itself (an A/A check: it should cover 1 and be
+    narrow; its width is the noise floor of every other interval).
+    -> one row per method (+ "plain" first) with SpecStats fields of that round, `speedup`, `speedup_low`,
+    `speedup_high`, `round_speedups` (the paired per-round ratios), `repeats`, and `tokens` (new tokens
+    per row, to check greedy equality; identical across rounds when greedy).
     """
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an int >= 1")
     pre = prefilled if prefilled is not None else prefill(model, prompts, max_new_tokens=max_new_tokens)
     B = len(prompts)
 
-    def one(drafter, k):
+    def one(drafter, k, n_new=max_new_tokens):
         gen = torch.Generator(device=as_transformer(model).device).manual_seed(seed)
-        return generate(model, drafter=drafter, k=k, max_new_tokens=max_new_tokens, sampler=sampler,
+        return generate(model, drafter=drafter, k=k, max_new_tokens=n_new, sampler=sampler,
                         generator=gen, eos_token_ids=eos_token_ids, prefilled=pre)
 
-    runs = [("plain", lambda: None, 0)] + list(methods)
+    runs = [("plain", lambda: None, 0)] + list(methods) + ([("plain", lambda: None, 0)] if aa_check else [])
+    if warmup:  # a few steps suffice: what is cold is the first forwards after the prefill, not the length
+        one(None, 0, min(WARMUP_TOKENS, max_new_tokens))
     best: list = [None] * len(runs)
-    rounds: list[list[tuple]] = [[] for _ in runs]  # per method: (step_tokens, step_s) of every round
+    rounds: list[list[tuple]] = [[] for _ in runs]  # per run: (step_tokens, step_s) of every round
     for rnd in range(repeats):
         # rotate the order each round so no method always runs first after the prefill (or after another)
         for i in [(rnd + j) % len(runs) for j in range(len(runs))]:
@@ -104,12 +119,19 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
             if best[i] is None or res.stats.decode_s < best[i].stats.decode_s:
                 best[i] = res
     plain_tps = best[0].stats.decode_tokens_per_s
+    plain_rates = round_rates(rounds[0])
+    # plain's own row pairs plain with its A/A twin; the noise scale is pooled over every pair of the batch
+    paired_rounds = [rounds[-1] if aa_check else rounds[0]] + rounds[1:len(runs) - int(aa_check)]
+    intervals = pooled_speedup_intervals(rounds[0], paired_rounds if aa_check else paired_rounds[1:])
+    if not aa_check:  # plain against itself is exactly 1: no interval of its own
+        intervals = [(None, None)] + intervals
     out = []
-    for (name, _, k), res, method_rounds in zip(runs, best, rounds):
-        low, high = speedup_interval(rounds[0], method_rounds, seed=seed)
+    listed = runs[:-1] if aa_check else runs
+    for (name, _, k), res, paired, (low, high) in zip(listed, best, paired_rounds, intervals):
         out.append(_row(res.stats, batch=B, drafter=name, k="adaptive" if callable(k) else k, repeats=repeats,
                         speedup=res.stats.decode_tokens_per_s / plain_tps, speedup_low=low, speedup_high=high,
-                        row_k=res.stats.row_k, tokens=res.tokens))
+                        round_speedups=(round_rates(paired) / plain_rates).tolist(), row_k=res.stats.row_k,
+                        tokens=res.tokens))
     return out
 
 
@@ -307,8 +329,10 @@ def never_loses_goals(rows: list[dict], *, drafters, goal) -> list:
         worst = min(bounded, key=lambda r: r["speedup_low"]) if bounded else None
         out.append(goal(f"adaptive_vs_plain_every_batch:{d}", None if worst is None else worst["speedup_low"],
                         unit="x", label=f"adaptive policy ({d}) vs plain, lower 95% bound at its worst batch",
-                        note="the adaptive policy did not run" if worst is None
-                        else f"worst batch {worst['batch']} of {[r['batch'] for r in cells]}"))
+                        note=("the adaptive policy did not run" if not cells
+                              else "no interval: the sweep needs >= 2 timing rounds (sweep_repeats)" if worst is None
+                              else f"worst batch {worst['batch']} of {[r['batch'] for r in cells]}; paired by "
+                                   f"{worst['repeats']} interleaved rounds, noise pooled over the batch's runs")))
         fractions = [(r["speedup"] / b, r["batch"]) for r in cells
                      if (b := best_speedup(rows, d, r["batch"])) is not None and b > 0]
         low = min(fractions) if fractions else None
@@ -337,3 +361,17 @@ def trend_sentences(best_rows: list[dict]) -> list[str]:
         out.append(f"{d}: best fixed-k speedup {s[0]:.2f}x at batch {pts[0][0]}, {s[-1]:.2f}x at batch {pts[-1][0]}; "
                    f"it {trend}; {where}.")
     return out
+
+
+def noise_sentence(rows: list[dict]) -> str:
+    """One generated sentence on the measurement's noise floor: plain decoding against itself (the A/A
+    pair of `run_methods`) per batch, from the sweep rows; says so when there were too few rounds."""
+    plain = sorted((r for r in rows if r["drafter"] == "plain"), key=lambda r: r["batch"])
+    bounded = [r for r in plain if r.get("speedup_low") is not None]
+    if not bounded:
+        rounds = plain[0]["repeats"] if plain else 0
+        return (f"No speedup intervals: the sweep ran {rounds} timing round(s) per batch; an interval over rounds "
+                "needs at least 2.")
+    cells = ", ".join(f"batch {r['batch']} [{r['speedup_low']:.3f}, {r['speedup_high']:.3f}]" for r in bounded)
+    return (f"Noise floor: plain decoding against itself (A/A, {bounded[0]['repeats']} interleaved rounds, noise "
+            f"pooled over every run of the batch) gives 95% intervals {cells}; a method's interval is as wide.")

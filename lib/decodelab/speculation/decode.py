@@ -49,12 +49,24 @@ class Prefilled:
 
 @torch.inference_mode()
 def prefill(model, prompts: list[list[int]], *, max_new_tokens: int, max_k: int = max(K_CHOICES)) -> Prefilled:
-    """Prefill ragged prompts once: -> Prefilled (cache room for max_new_tokens + max_k + 1 more)."""
+    """Prefill ragged prompts once: -> Prefilled (cache room for max_new_tokens + max_k + 1 more).
+
+    A batch that repeats prompts (a sweep cycling through fewer workload items than rows) prefills each
+    distinct prompt once and copies its cache row to every row that asks for it: the same KV, a fraction
+    of the prefill time (a causal prefill of one row does not depend on the other rows)."""
     tr = as_transformer(model)
     synchronize(tr.device)
     start = time.perf_counter()
-    cache, last_logits, hidden = engine.prefill(tr, prompts, max_new_tokens=max_new_tokens, extra=max_k + 1,
-                                                return_hidden=True)
+    distinct = list(dict.fromkeys(map(tuple, prompts)))
+    if len(distinct) < len(prompts):
+        where = {p: i for i, p in enumerate(distinct)}
+        rows = torch.tensor([where[tuple(p)] for p in prompts], device=tr.device)
+        cache, last_logits, hidden = engine.prefill(tr, [list(p) for p in distinct], max_new_tokens=max_new_tokens,
+                                                    extra=max_k + 1, return_hidden=True)
+        cache, last_logits, hidden = cache.select(rows), last_logits[rows], hidden[rows]
+    else:
+        cache, last_logits, hidden = engine.prefill(tr, prompts, max_new_tokens=max_new_tokens, extra=max_k + 1,
+                                                    return_hidden=True)
     lengths = cache.lengths.clone()
     last_hidden = hidden[torch.arange(len(prompts), device=tr.device), lengths - 1]
     synchronize(tr.device)

@@ -250,10 +250,18 @@ class CachedModelDrafter(DrafterBase):
         self._base: torch.Tensor | None = None
 
     def begin(self, prompts: list[list[int]], *, max_len: int) -> None:
+        # the same prompts as the previous run (a sweep running several methods on one batch): the prompt
+        # positions of the cache were never overwritten (only positions past each prompt are), so rolling
+        # the cache back to the prompts is the same state as prefilling them again
+        key = (tuple(map(tuple, prompts)), max_len)
+        if self.cache is not None and getattr(self, "_prompts_key", None) == key:
+            self.cache.truncate(self._prompt_lengths.clone())
+            return
         n_layers = len(self.layers) if self.layers is not None else None
         self.cache = self.tr.new_cache(len(prompts), max_len + self.CATCHUP, n_layers=n_layers)
         tokens, lengths = pad_prompts(prompts, self.tr.device)
         extend(self.tr, self.cache, tokens, n_new=lengths, layers=self.layers, logits_at="none")
+        self._prompts_key, self._prompt_lengths = key, self.cache.lengths.clone()
 
     def _logits(self, tokens: torch.Tensor, n_new: torch.Tensor | None = None) -> torch.Tensor:
         """Feed tokens (B, T) -> logits at each row's last valid token, cut/padded to the target's vocab."""

@@ -12,6 +12,8 @@ because every row's gains fall with j. The width with the best goodput
 
 wins if it beats plain decoding's n_active / (r_0 T(B, 1, S)) by more than `margin`; else every k_b = 0 and
 the step is a plain decode step. r_k corrects the model online from observed verify times (AdaptivePolicy).
+Once the width is chosen, live rows are filled up to it (`fill_to_width`): the padding they would verify
+costs the same as drafts, so narrowing a row below the width pays only under a binding verify budget.
 
 Free evidence. A policy that only learns a_b from verified drafts and starts pessimistic never drafts again
 after one bad step (every later step is plain, so nothing is verified). A cheap drafter (n-gram lookup) is
@@ -174,8 +176,27 @@ class RowBudgetPolicy(AdaptivePolicy):
         # speculate only when it clearly pays: a goodput within the margin is noise in the model
         if best_rate <= (1 + self.margin) * plain_rate:
             best = np.zeros_like(best)
+        else:
+            best = self.fill_to_width(best, act, None if caps is None else caps.cpu().numpy())
         self.history.append(int(best.max()))
         return torch.from_numpy(best)
+
+    def fill_to_width(self, row_k: np.ndarray, act: np.ndarray, caps: np.ndarray | None) -> np.ndarray:
+        """(B,) row_k with every live row (active, acceptance >= min_gain) raised to the step's width - 1
+        drafts (its real drafts at most), when the verify budget allows it (else row_k as chosen).
+
+        The engine pads every row to the widest, so a step of width w costs T(B, w) and w - 1 drafted
+        tokens whatever each row verifies: a live row verifying fewer than w - 1 drafts forfeits their
+        expected yield a_b^j > 0 for no saving. Only a binding verify budget makes narrowing rows pay."""
+        depth = int(row_k.max())
+        if depth == 0:
+            return row_k
+        a = self.row_acceptance()
+        room = np.full(len(row_k), depth) if caps is None else np.minimum(caps, depth)
+        filled = np.where(act & (a >= self.min_gain), np.maximum(row_k, room), row_k)
+        if self.verify_budget is not None and int(filled.sum()) > self.verify_budget - int(act.sum()):
+            return row_k
+        return filled.astype(row_k.dtype)
 
     def update_rows(self, row_k: torch.Tensor, n_accepted: torch.Tensor, active: torch.Tensor, *, step_s: float,
                     draft_s: float, context: float | None = None, free=None) -> None:

@@ -1,0 +1,99 @@
+"""The never-loses interval: paired by interleaved round, one wall clock per run (speedup_stats)."""
+import math
+
+import numpy as np
+import pytest
+
+from decodelab.speculation.speedup_stats import (
+    log_ratio_interval,
+    pooled_speedup_intervals,
+    round_rates,
+    speedup_interval,
+)
+
+
+def _rounds(seconds, tokens=64, steps=8):
+    """One run per entry: `steps` equal steps summing to `seconds`, `tokens` tokens in all."""
+    return [([tokens // steps] * steps, [s / steps] * steps) for s in seconds]
+
+
+def test_round_rates_use_one_wall_clock_per_run():
+    rounds = [([4, 4, 8], [1.0, 1.0, 2.0]), ([16], [2.0])]
+    assert round_rates(rounds).tolist() == [4.0, 8.0]
+
+
+def test_plain_against_itself_with_noise_covers_one_about_95_percent_of_the_time():
+    rng = np.random.default_rng(0)
+    covered, trials = 0, 2000
+    for _ in range(trials):
+        base = rng.uniform(1.0, 2.0)  # the machine's state drifts between rounds; both sides share it
+        plain = base * np.exp(rng.normal(0, 0.05, 5))
+        twin = base * np.exp(rng.normal(0, 0.05, 5))
+        low, high = speedup_interval(_rounds(plain), _rounds(twin))
+        covered += low <= 1.0 <= high
+    assert 0.93 <= covered / trials <= 0.97
+
+
+def test_a_constant_10_percent_gain_gives_an_interval_around_1_10():
+    rng = np.random.default_rng(1)
+    plain = 2.0 * np.exp(rng.normal(0, 0.01, 6))
+    method = plain / 1.10 * np.exp(rng.normal(0, 0.01, 6))
+    low, high = speedup_interval(_rounds(plain), _rounds(method))
+    assert 1.05 < low < 1.10 < high < 1.15
+
+
+def test_steps_that_differ_by_design_do_not_widen_the_interval():
+    # a method whose steps yield 1 or 5 tokens (deterministic acceptance), identical in every round: the
+    # old per-step bootstrap spread this over a wide interval; the paired-round interval is exact here
+    method = [([1, 5] * 4, [0.1] * 8)] * 3
+    plain = [([1] * 24, [0.1] * 24)] * 3
+    low, high = speedup_interval(plain, method)
+    assert low == pytest.approx(3.0) and high == pytest.approx(3.0)
+
+
+def test_drift_shared_by_both_sides_of_a_round_cancels():
+    drift = np.array([1.0, 1.6, 0.8, 1.3])  # round-level load: both runs of a round slowed alike
+    low, high = speedup_interval(_rounds(2.0 * drift), _rounds(1.0 * drift))
+    assert low == pytest.approx(2.0) and high == pytest.approx(2.0)
+
+
+def test_one_round_has_no_interval_and_mismatched_rounds_are_refused():
+    assert speedup_interval(_rounds([1.0]), _rounds([0.5])) == (None, None)
+    assert log_ratio_interval([0.1]) is None
+    with pytest.raises(ValueError, match="one plain run per method run"):
+        speedup_interval(_rounds([1.0, 1.0]), _rounds([1.0]))
+    with pytest.raises(ValueError, match="level"):
+        speedup_interval(_rounds([1.0, 1.0]), _rounds([1.0, 1.0]), level=1.5)
+
+
+def test_the_interval_is_a_t_interval_on_log_ratios():
+    x = [0.1, 0.2, 0.3]
+    est, low, high = log_ratio_interval(x)
+    half = 4.302652729911275 * 0.1 / math.sqrt(3)  # t_{0.975, 2} * sd / sqrt(n)
+    assert est == pytest.approx(math.exp(0.2)) and low == pytest.approx(math.exp(0.2 - half))
+    assert high == pytest.approx(math.exp(0.2 + half))
+
+
+def test_pooled_intervals_cover_the_true_ratio_about_95_percent_of_the_time_with_two_rounds():
+    rng = np.random.default_rng(2)
+    gains = np.array([1.0, 1.0, 1.3, 0.8, 2.5, 1.1, 0.95, 1.6])  # the first "method" is plain's A/A twin
+    covered, trials = np.zeros(len(gains)), 1000
+    for _ in range(trials):
+        drift = rng.uniform(1.0, 1.5, 2)  # per round, shared by every run of the round
+        plain = 2.0 * drift * np.exp(rng.normal(0, 0.03, 2))
+        methods = [_rounds(2.0 / g * drift * np.exp(rng.normal(0, 0.03, 2))) for g in gains]
+        for i, (low, high) in enumerate(pooled_speedup_intervals(_rounds(plain), methods)):
+            covered[i] += low <= gains[i] <= high
+    assert np.all(covered / trials > 0.92) and np.mean(covered / trials) == pytest.approx(0.95, abs=0.02)
+
+
+def test_pooled_intervals_are_tight_where_the_noise_is_small_and_need_two_rounds():
+    rng = np.random.default_rng(3)
+    plain = 2.0 * np.exp(rng.normal(0, 0.005, 3))
+    methods = [_rounds(2.0 / g * np.exp(rng.normal(0, 0.005, 3))) for g in (1.0, 1.10, 0.9)]
+    (a_low, a_high), (low, high), (s_low, s_high) = pooled_speedup_intervals(_rounds(plain), methods)
+    assert 0.98 < a_low <= 1.0 <= a_high < 1.02
+    assert 1.07 < low < 1.10 < high < 1.13 and s_high < 0.93
+    assert pooled_speedup_intervals(_rounds([1.0]), [_rounds([0.5])]) == [(None, None)]
+    with pytest.raises(ValueError, match="one plain run per method run"):
+        pooled_speedup_intervals(_rounds([1.0, 1.0]), [_rounds([1.0])])
