@@ -245,14 +245,16 @@ def top_p_window_threshold(logits: torch.Tensor, top_p) -> tuple[torch.Tensor, t
     return torch.from_numpy(np.where(p < 1, thr, -np.inf).astype(xn.dtype)), window
 
 
-def min_p_threshold(logits: torch.Tensor, min_p) -> torch.Tensor:
+def min_p_threshold(logits: torch.Tensor, min_p, row_max_: torch.Tensor | None = None) -> torch.Tensor:
     """(B, V) -> (B, 1): min-p keeps p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p).
 
     The softmax normalizer cancels, so no softmax is needed; the argmax always survives (min_p <= 1).
-    min_p = 0 disables (log 0 = -inf).
+    min_p = 0 disables (log 0 = -inf). row_max_: the (B, 1) row max when the caller has it (the same
+    numbers as ``row_max(logits)``), which saves a pass.
     """
     m = _row_param(min_p, logits)
-    return row_max(logits).to(logits.device) + torch.log(m)
+    top = row_max(logits) if row_max_ is None else row_max_
+    return top.to(logits.device) + torch.log(m)
 
 
 def epsilon_threshold(logits: torch.Tensor, epsilon) -> torch.Tensor:

@@ -11,12 +11,19 @@ token k is kept iff s_{k-1} < P Z with P = 1 - tail, so the number kept is K = m
 (2 S)) (every value left out has probability < (1 - P) / (2 S)), sorted on its own: the window holds
 the nucleus iff its mass reaches P Z, which is checked exactly. S = _GUESS, then 16 _GUESS for the rows
 that failed, then V (the window that provably holds the nucleus: the at most V values left out hold
-< (1 - P) / 2 of the mass). Sums are in float64 over
-float32 weights (error ~1e-8 of Z); the reference's float32 softmax and cumulative sum err by up to
-~3e-7 (measured on flat rows of 49152), so where s_{K-1} or s_K lies within _BAND * Z of P Z the two
-may disagree and the row takes the reference (its full sort). So do rows whose window is too wide (flat
-rows: a sort of most of the row), rows without a finite maximum (NaN, +inf, all -inf) and every row
-off CPU: the result equals ``top_p_threshold`` bit for bit, and only the rows that need it are sorted.
+< (1 - P) / 2 of the mass). Flat rows (a window of more than V / _WIDE values) take the full sort:
+numpy's SIMD sort costs ~3.5 ns a value here, and a radix select on the values (a weighted bincount
+of monotone bucket ids, then a sort of the crossing bucket, measured in issue 15) cost ~1.8x the
+reference's sort + float32 softmax + cumulative sum on the notebook-02 flat rows (loaded machine).
+Sums are in float64 over float32 weights (error ~1e-8 of Z); the reference's float32 softmax and
+cumulative sum err by up to ~3e-7 (measured on flat rows of 49152), so where s_{K-1} or s_K lies
+within _BAND * Z of P Z the two may disagree and the row takes the reference (its full sort). So do
+rows without a finite maximum (NaN, +inf, all -inf) and every row off CPU: the result equals
+``top_p_threshold`` bit for bit, and only the rows that need it are sorted.
+
+``row_weights(x)`` gives the (B, 1) row max and the (B, V) float32 weights exp(x - max) this search
+uses; the caller may pass them in (``weights=``) and reuse them for the draw
+(``draw.sample_inverse_cdf(..., weights=)``): the same numbers the draw computes from x.
 """
 
 from __future__ import annotations
@@ -30,15 +37,6 @@ _GUESS = 256
 _WIDE = 8
 # the decision margin, a fraction of Z: 3x the reference's largest measured rounding error
 _BAND = 1e-6
-
-
-def descending_windows(xn: np.ndarray, keep: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """(R, V) float32 values, (R, V) bool, the rows to take (n,) and their kept counts (n,) -> (n, L)
-    float32: each row's kept values in descending order, left-aligned, -inf after them (L = max count)."""
-    out = np.full((rows.size, max(int(counts.max()), 1)), -np.inf, dtype=np.float32)
-    for i, row in enumerate(rows):  # a boolean selection and a sort of the few kept values per row
-        out[i, : counts[i]] = np.sort(xn[row][keep[row]])[::-1]
-    return out
 
 
 def _reference_rows(logits: torch.Tensor, top_p: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
@@ -62,26 +60,36 @@ def _resolve(desc: np.ndarray, above: np.ndarray, m: np.ndarray, z: np.ndarray, 
     return np.take_along_axis(desc, n_in, axis=-1)[:, 0], clear[:, 0]
 
 
-def _window_pass(xn, m, z, big_p, spread):
-    """Rows' windows {x >= max + log((1 - P) Z / (2 spread))} -> (threshold (R,), clear (R,) bool);
-    a row whose window holds more than V // _WIDE values is not clear."""
-    V = xn.shape[-1]
-    with np.errstate(divide="ignore"):
-        lo = (m + np.log((1 - big_p) * z / (2 * spread))).astype(np.float32)
-    keep = xn >= np.minimum(lo, m)  # the max at least
-    counts = np.count_nonzero(keep, axis=-1)
-    sel = np.flatnonzero(counts <= V // _WIDE)
-    thr = np.full(xn.shape[0], -np.inf, dtype=np.float32)
-    clear = np.zeros(xn.shape[0], dtype=bool)
-    if sel.size:
-        desc = descending_windows(xn, keep, sel, counts[sel])
-        thr[sel], clear[sel] = _resolve(desc, np.zeros((sel.size, 1)), m[sel], z[sel], big_p[sel])
-    return thr, clear
+def _window_threshold(xr: np.ndarray, m, z, big_p) -> float | None:
+    """One row (V,) float32, its max, Z and P -> the threshold from the narrowest window that decides it
+    (spread _GUESS, 16 _GUESS, then V: {x >= max + log((1 - P) Z / (2 spread))}, sorted descending), or
+    None: no window decides it, or a window holds more than V // _WIDE values (a flat row; a wider
+    spread only widens it), and the row takes the full sort."""
+    V = xr.shape[-1]
+    for spread in (_GUESS, 16 * _GUESS, V):  # narrow windows first; then one that provably holds the nucleus
+        with np.errstate(divide="ignore"):
+            lo = np.float32(m + np.log((1 - big_p) * z / (2 * spread)))
+        keep = xr >= min(lo, m)  # the max at least
+        if np.count_nonzero(keep) > V // _WIDE:
+            return None
+        desc = np.sort(xr[keep])[::-1].reshape(1, -1)
+        thr, clear = _resolve(desc, np.zeros((1, 1)), np.full((1, 1), m), np.full((1, 1), z), np.full((1, 1), big_p))
+        if clear[0]:
+            return thr[0]
+    return None
 
 
-def top_p_threshold_rows(logits: torch.Tensor, top_p) -> torch.Tensor:
+def row_weights(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) float32 CPU -> (row max (B, 1), weights exp(x - max) (B, V) float32), as the draw computes
+    them (``torch.sub`` then ``exp_``): 1 at the max, 0 at -inf."""
+    m = torch.from_numpy(x.detach().contiguous().numpy().max(axis=-1, keepdims=True))
+    return m, torch.sub(x, m).exp_()
+
+
+def top_p_threshold_rows(logits: torch.Tensor, top_p, weights: tuple | None = None) -> torch.Tensor:
     """(B, V) logits, top_p float or (B,) -> (B, 1) threshold, equal to ``filters.top_p_threshold``
-    bit for bit, sorting only the rows the window cannot decide (see the module docstring)."""
+    bit for bit, sorting only the rows the window cannot decide (see the module docstring).
+    weights: ``row_weights(logits)`` when the caller has them (CPU float32 only), else computed here."""
     from decodelab.core.filters import _row_param
 
     B, V = logits.shape
@@ -93,25 +101,22 @@ def top_p_threshold_rows(logits: torch.Tensor, top_p) -> torch.Tensor:
     if rows.size == 0:
         return torch.from_numpy(thr)
     x = logits.detach().contiguous()
-    m = x.amax(dim=-1, keepdim=True).numpy()
+    xn = x.numpy()
+    m = xn.max(axis=-1, keepdims=True) if weights is None else weights[0].numpy()
     rows = rows[np.isfinite(m[rows, 0])]  # NaN, +inf or all -inf: the reference
-    whole = rows.size == B
-    xn = x.numpy() if whole else x.numpy()[rows]  # no copy when every row takes part
-    m = m if whole else m[rows]
-    tail = (1 - p.numpy()[rows]).astype(np.float32)  # as the reference rounds 1 - top_p
+    tail = (1 - p.numpy()[:, 0]).astype(np.float32)  # as the reference rounds 1 - top_p
     big_p = 1 - tail.astype(np.float64)  # token k kept iff s_{k-1} < big_p * Z
-    weights = torch.sub(torch.from_numpy(xn), torch.from_numpy(m)).exp_().numpy()
-    z = weights.sum(axis=-1, keepdims=True, dtype=np.float64)  # numpy's pairwise float64 sum
-    todo = np.arange(rows.size)
-    for spread in (_GUESS, 16 * _GUESS, V):  # narrow windows first; then one that provably holds the nucleus
-        part = xn if todo.size == xn.shape[0] else xn[todo]
-        t, clear = _window_pass(part, m[todo], z[todo], big_p[todo], spread)
-        thr[rows[todo[clear]], 0] = t[clear]
-        todo = todo[~clear]
-        if todo.size == 0:
-            break
-    rest = np.setdiff1d(np.arange(B), rows[np.setdiff1d(np.arange(rows.size), todo)])
-    rest = rest[p.numpy()[rest, 0] < 1]
+    done = np.zeros(B, dtype=bool)  # rows whose threshold a window decided
+    for r in rows:  # one row at a time: no copies of the batch
+        if weights is None:
+            wr = torch.sub(x[r], torch.from_numpy(m[r])).exp_().numpy()
+        else:
+            wr = weights[1][r].numpy()
+        z = wr.sum(dtype=np.float64)  # numpy's pairwise float64 sum
+        t = _window_threshold(xn[r], m[r, 0], z, big_p[r])
+        if t is not None:
+            thr[r, 0], done[r] = t, True
+    rest = np.flatnonzero(~done & (p.numpy()[:, 0] < 1))
     if rest.size:
         thr[rest] = _reference_rows(logits, p.reshape(B), rest).numpy()
     return torch.from_numpy(thr)

@@ -13,7 +13,11 @@ values that provably holds the nucleus, checked exactly, and sorts only the rows
 bit for bit the full-sort threshold. The last threshold of the pipeline is not applied as a masked
 copy: the draw applies it (``sample_inverse_cdf(x, u, threshold)``), each row over its kept ids alone
 when they are few. In a batch mixing greedy and sampled rows, ``sample`` takes the greedy rows' argmax
-apart and runs the pipeline on the sampled rows only (the same thresholds and law per row).
+apart and runs the pipeline on the sampled rows only (the same thresholds and law per row). In
+``sample`` the top-p search's weights exp(x - max) (``nucleus.row_weights``) are computed once and
+handed to the draw, and x is not masked before a last min-p stage (min-p reads the row max alone): the
+draw applies the earlier thresholds as a floor (``sample_inverse_cdf(x, u, thr, weights=, floor=)``),
+which gives the tokens the masked logits give, token for token (tests/core/test_sampler_shared.py).
 
 The draw (``sample_inverse_cdf``, in :mod:`decodelab.core.draw`) needs no sort: head-first inverse CDF
 (the argmax, then the other tokens in vocabulary order), P(token i) = softmax(processed logits)_i up to
@@ -60,7 +64,7 @@ from decodelab.core.filters import (
     top_p_threshold,
     typical_filter,
 )
-from decodelab.core.nucleus import top_p_threshold_rows
+from decodelab.core.nucleus import row_weights, top_p_threshold_rows
 
 __all__ = [  # the filters are re-exported: callers import every sampling name from here
     "HF_ORDER", "NEG_INF", "STAGES", "VLLM_ORDER", "Sampler", "SamplerConfig", "apply_temperature",
@@ -221,33 +225,49 @@ class Sampler:
         if self.per_row and logits.shape[0] != len(self.configs):
             raise ValueError(f"logits have {logits.shape[0]} rows but the sampler has {len(self.configs)} configs")
 
-    def _run(self, logits: torch.Tensor, defer_last: bool = False):
-        """(B, V) -> (processed (B, V) float32, deferred threshold (B, 1) or None).
+    def _run(self, logits: torch.Tensor, defer_last: bool = False, owned: bool = False):
+        """(B, V) -> (processed (B, V) float32, deferred threshold (B, 1) or None, shared).
 
         With defer_last, a last stage that is a threshold is not applied to the logits: its threshold is
-        returned instead, for the draw to apply (``sample_inverse_cdf``), which saves a masked copy."""
+        returned instead, for the draw to apply (``sample_inverse_cdf``), which saves a masked copy.
+        shared: {"weights", "floor"} for the draw when the top-p search computed exp(x - max) for every row
+        and only thresholds (running maximum: floor) masked x since, else {}. owned: `logits` is a copy
+        of the caller's, free to be scaled in place."""
         self._check(logits)
         x = logits.float()
+        owned = owned and x.data_ptr() == logits.data_ptr()
         p = self._params(x.device)
         sa = None  # an ascending copy of x's values (or a window standing for it), when a stage has one
+        shared = {}  # the top-p search's weights, kept for the draw while x changes only by masking
+        row_m = None  # x's row max once known (masking by thresholds keeps it: the max is always kept)
         for i, stage in enumerate(self.stages):
             if stage == "temperature":
+                shared, row_m = {}, None
                 if self._any_greedy:
                     x, sa = apply_temperature(x, p["temperature"]), None
                     continue
                 t = p["temperature"].reshape(-1, 1).to(x.dtype)
-                x = x / t  # the one copy; later stages work in place on x and sa
+                x = x.div_(t) if owned else x / t  # the one copy; later stages work in place on x and sa
                 if sa is not None:
                     sa.div_(t)
                 continue
             if stage == "typical_p":
-                x, sa = typical_filter(x, p["typical_p"]), None  # not a threshold: the sort goes stale
+                x, sa, shared, row_m = typical_filter(x, p["typical_p"]), None, {}, None  # not a threshold
                 continue
             thr = None
             if stage == "top_p" and sa is None:
                 # a window of the largest values that provably holds every row's nucleus: no full sort
                 if x.device.type == "cpu":  # per row: a window that holds the nucleus, or the row's sort
-                    thr = top_p_threshold_rows(x, p["top_p"])
+                    weights = None
+                    # the draw reuses exp(x - max) when a later stage follows: its rows with that stage off
+                    # are drawn dense (top-p last, peaked rows are drawn by their few kept ids: no use)
+                    if defer_last and x.dtype == torch.float32 and i < len(self.stages) - 1:
+                        weights = row_weights(x)
+                        row_m = weights[0]
+                        shared = {"weights": weights[1], "floor": torch.full_like(weights[0], NEG_INF)}
+                        if not bool(torch.isfinite(weights[0]).all()):
+                            shared = {}
+                    thr = top_p_threshold_rows(x, p["top_p"], weights=weights)
                 else:
                     sa = sorted_kept(x)
             if stage == "top_k" and sa is None and x.device.type == "cpu":
@@ -263,22 +283,27 @@ class Sampler:
                 thr = {
                     "top_k": lambda: top_k_threshold(x, p["top_k"], sa),
                     "top_p": lambda: top_p_threshold(x, p["top_p"], sa),
-                    "min_p": lambda: min_p_threshold(x if sa is None else sa, p["min_p"]),  # same row max
+                    "min_p": lambda: min_p_threshold(x if sa is None else sa, p["min_p"], row_m),  # same row max
                     "epsilon": lambda: epsilon_threshold(x, p["epsilon"]),
                     "eta": lambda: eta_threshold(x, p["eta"]),
                 }[stage]()
             if defer_last and i == len(self.stages) - 1:
                 if self._any_greedy:  # greedy rows keep their one-hot (below) whole
                     thr = torch.where(p["greedy"], NEG_INF, thr.to(x.device))
-                return self._greedy_rows_onehot(logits, x, p), thr
+                    shared = {}
+                return self._greedy_rows_onehot(logits, x, p), thr, shared
+            if shared:
+                shared["floor"] = torch.maximum(shared["floor"], thr.to(shared["floor"].dtype))
+                if sa is None and set(self.stages[i + 1:]) <= {"min_p"}:
+                    continue  # min-p reads the row max alone, and the draw applies the floor: no masked x
             # the same threshold on the logits and on their sorted copy keeps the two consistent
-            x = x.clone() if x.data_ptr() == logits.data_ptr() else x
+            x = x.clone() if x.data_ptr() == logits.data_ptr() and not owned else x
             _mask_below_(x, thr)
             if sa is not None:
                 _mask_below_(sa, thr)
                 if sa.shape[-1] < x.shape[-1] and not is_full_window(sa):
                     sa = None  # a kept value may lie outside the window (top-k off in a row, long ties)
-        return self._greedy_rows_onehot(logits, x, p), None
+        return self._greedy_rows_onehot(logits, x, p), None, {} if self._any_greedy else shared
 
     def _greedy_rows_onehot(self, logits: torch.Tensor, x: torch.Tensor, p: dict) -> torch.Tensor:
         """T = 0 rows: one-hot on the raw argmax, whatever ran before; other rows x."""
@@ -307,8 +332,8 @@ class Sampler:
             rows, sampler = self._sampled
             rows = rows.to(logits.device)
             tokens = argmax_rows(logits).to(logits.device)
-            x, thr = sampler._run(logits[rows], defer_last=True)
-            tokens[rows] = sample_inverse_cdf(x, u[rows], thr).to(tokens.device)
+            x, thr, shared = sampler._run(logits.index_select(0, rows), defer_last=True, owned=True)
+            tokens[rows] = sample_inverse_cdf(x, u[rows], thr, **shared).to(tokens.device)
             return tokens
-        x, thr = self._run(logits, defer_last=True)
-        return sample_inverse_cdf(x, u, thr)
+        x, thr, shared = self._run(logits, defer_last=True)
+        return sample_inverse_cdf(x, u, thr, **shared)
