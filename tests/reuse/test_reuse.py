@@ -198,6 +198,28 @@ def test_amortization_is_paired_against_the_cold_start_and_best_token_cut():
     assert summary.best_token_cut(table)["method"] == "b"
 
 
+@pytest.mark.parametrize("threshold", [1.0, 0.3, 0.0])
+def test_step_reuse_drafts_between_steps_change_no_token_and_save_forwards_on_tiny(tiny, threshold):
+    prompts = _prompts()
+    plain = engine.generate(tiny, prompts, max_new_tokens=30, eos_token_ids=[]).tokens
+    other = engine.generate(tiny, [p[::-1] for p in prompts], max_new_tokens=30, eos_token_ids=[]).tokens
+    # step proposals from another query's output (mostly rejected or taken lossily); drafts from the row's own
+    # plain output (a perfect trace), a shuffled one and none
+    steps = [align.split_steps(t, [_piece(x) for x in t]) for t in other]
+    refs = [[plain[0]], [plain[1][::-1]], []]
+    bare, bare_stats = step_reuse.generate(tiny, prompts, steps, _piece, threshold=threshold, max_new_tokens=30,
+                                           eos_token_ids=[])
+    drafted, stats = step_reuse.generate(tiny, prompts, steps, _piece, threshold=threshold, max_new_tokens=30,
+                                         eos_token_ids=[], references=refs, draft_k=6)
+    assert drafted == bare  # a lossless draft keeps only the target's own choices and never skips a step end
+    assert stats.accepted_steps == bare_stats.accepted_steps and stats.proposed == bare_stats.proposed
+    assert all(f <= g for f, g in zip(stats.forwards, bare_stats.forwards))
+    assert stats.forwards[2] == bare_stats.forwards[2]  # no references: plain steps between step proposals
+    if threshold == 1.0:
+        assert drafted == plain and stats.forwards[0] < bare_stats.forwards[0]
+    assert all(len(drafted[b]) <= stats.forwards[b] + stats.reused_tokens[b] <= len(drafted[b]) + 1 for b in range(3))
+
+
 class _ByteTokenizer:
     """Bytes as token ids (the tiny model's vocab is 256): enough of a tokenizer for `methods.Setup`."""
 
@@ -225,6 +247,12 @@ def test_interleaved_serving_with_a_shared_prefill_keeps_every_output(tiny):
             assert tokens == by[("plain", batch, q)], (label, batch, q)
     assert {r["method"] for r in queries if r["batch_size"] == 2} == {"plain", "trace_draft_subst[ngram]",
                                                                        "shared_prefix"}
+    nearest = {r["query"]: r for r in methods.nearest_rows(setup) if r["method"] == "nearest[ngram]"}
+    served = [r for r in queries if r["method"] == "trace_draft_subst[ngram]" and r["batch_size"] == 1]
+    for r in served:  # retrieval without serving sees the similarities the served method saw
+        near = nearest[r["query"]]
+        assert r["neighbour_family"] == near["neighbour_family"]
+        assert (math.isnan(r["similarity"]) and math.isnan(near["similarity"])) or r["similarity"] == near["similarity"]
     for method in [m for m in plan if m.kind in ("trace_draft_subst", "shared_prefix", "step_reuse")]:
         # one method alone, prefilling by itself, writes exactly what it wrote interleaved
         alone, _ = methods.serve(setup, method, batch_size=1)
@@ -252,3 +280,13 @@ def test_plan_serves_the_raw_trace_draft_ablation_only_when_asked():
     kinds = lambda **kw: [m.kind for m in methods.plan(["ngram"], [0.5], **kw)]  # noqa: E731
     assert "trace_draft" in kinds() and "trace_draft" not in kinds(raw_trace_draft=False)
     assert "trace_draft_subst" in kinds(raw_trace_draft=False)
+    assert "exemplar" in kinds() and "exemplar" not in kinds(exemplar=False)
+
+
+def test_left_out_names_what_a_plan_does_not_serve():
+    full = methods.left_out(["embedding", "ngram"], [0.25, 0.5], raw_trace_draft=True, exemplar=True)
+    assert full == []
+    cpu = methods.left_out(["embedding"], [0.5], raw_trace_draft=False, exemplar=False)
+    assert len(cpu) == 4 and "trace_draft_subst[ngram]" in cpu and "trace-as-exemplar" in cpu
+    served = {m.label for m in methods.plan(["embedding"], [0.5], raw_trace_draft=False, exemplar=False)}
+    assert "trace_draft_subst[ngram]" not in served and not any(s.startswith("exemplar") for s in served)

@@ -14,7 +14,8 @@ method wrote. Methods (all greedy):
     shared_prefix      lossless: instruction + exemplar prefilled once and shared (`reuse.shared`); plain's
                        output, served first in each batch, is checked on the shared cache in one forward
     exemplar           lossy: the retrieved question + trace replace the fixed worked example in the prompt
-    step_reuse         lossy: the retrieved trace's steps proposed whole, accepted above a threshold
+    step_reuse         lossy: the retrieved trace's steps proposed whole, accepted above a threshold; between
+                       steps, lossless drafts from the retrieved traces (never the prompt)
 
 Cost per query is counted in target forward passes (prefill included): each forward makes exactly one token
 the target chose itself (plain step, correction or bonus), so target-chosen tokens = forwards and every other
@@ -32,7 +33,7 @@ from decodelab.core import engine
 from decodelab.reuse import align, step_reuse
 from decodelab.reuse import shared as shared_prefix
 from decodelab.reuse.drafting import TraceDrafter
-from decodelab.reuse.retrieval import Entry, TraceCache, check_method, check_threshold, token_ngrams
+from decodelab.reuse.retrieval import RETRIEVAL_METHODS, Entry, TraceCache, check_method, check_threshold, token_ngrams
 from decodelab.speculation import decode as spec_decode
 from decodelab.speculation.policy import K_CHOICES
 from decodelab.workloads import tasks
@@ -77,7 +78,7 @@ class Setup:
     draft_k: int = 6
     trace_draft_k: int = 8  # draft tokens from a trace matched on a full max_ngram suffix (TraceDrafter.short_k)
     max_ngram: int = 4
-    n_traces: int = 1
+    n_traces: int = 4  # traces retrieved per query; the drafts copy from all, exemplar and step proposals the first
     similarity_threshold: float = 0.5
     embeddings: torch.Tensor | None = None  # (N, D) unit rows of the questions, or None without the embedder
 
@@ -215,9 +216,7 @@ def _run_batch(setup: Setup, method: Method, idx: list[int], hits: list[list], s
     if kind in ("prompt_ngram", "trace_draft", "trace_draft_subst"):
         refs, k, short_k = [[] for _ in idx], setup.draft_k, None
         if kind != "prompt_ngram":  # prompt lookup stays the plain baseline: k drafts from any match
-            refs = [[setup.encode(substituted(setup, h, i, recompute=True)) if kind == "trace_draft_subst"
-                     else h.entry.trace_tokens for h in reversed(row_hits)]
-                    for i, row_hits in zip(idx, hits)]  # most similar last wins
+            refs = _draft_references(setup, kind, idx, hits)
             k, short_k = max(setup.draft_k, setup.trace_draft_k), setup.draft_k
         drafter = TraceDrafter(refs, max_ngram=setup.max_ngram, short_k=short_k, name=kind)
         res = spec_decode.generate(lm, None if prefilled else prompts, drafter, k=k,
@@ -228,13 +227,25 @@ def _run_batch(setup: Setup, method: Method, idx: list[int], hits: list[list], s
         for i, row_hits in zip(idx, hits):
             trace = setup.encode(substituted(setup, row_hits[0], i)) if row_hits else []
             steps.append(align.split_steps(trace, [setup.piece(t) for t in trace]))
+        # between proposed steps: lossless drafts from the same traces trace_draft_subst copies (never the
+        # prompt, so a query without a hit is plain decoding, the method's cold start)
+        refs = _draft_references(setup, "trace_draft_subst", idx, hits)
         longest = max((len(s) for row in steps for s in row), default=0)
-        room = prefilled is not None and prefilled.max_k >= longest + 1
+        room = prefilled is not None and prefilled.max_k >= max(longest, setup.trace_draft_k) + 1
         tokens, stats = step_reuse.generate(lm, prompts, steps, setup.piece, threshold=method.threshold,
                                             max_new_tokens=setup.max_new_tokens, eos_token_ids=setup.eos,
-                                            prefilled=prefilled if room else None)
+                                            prefilled=prefilled if room else None, references=refs,
+                                            draft_k=setup.trace_draft_k)
         return _out(tokens, stats.forwards, stats.reused_tokens, prompts, stats)
     return _shared_batch(setup, prompts, shared, prefilled, plain)
+
+
+def _draft_references(setup: Setup, kind: str, idx: list[int], hits: list[list]) -> list[list[list[int]]]:
+    """Per row, the retrieved traces a lossless drafter copies from, least similar first (on equal n-grams the
+    last reference wins): rewritten with the row's numbers and names and their sums redone (trace_draft_subst)
+    or as written (trace_draft)."""
+    return [[setup.encode(substituted(setup, h, i, recompute=True)) if kind == "trace_draft_subst"
+             else h.entry.trace_tokens for h in reversed(row_hits)] for i, row_hits in zip(idx, hits)]
 
 
 def _out(tokens, forwards, trace_tokens, prompts, stats, prefill_tokens=None, **extra) -> dict:
@@ -267,10 +278,11 @@ def _shared_batch(setup: Setup, prompts: list[list[int]], shared: dict, prefille
                 prefix_once_s=shared["once_s"], prefix_tokens=len(setup.prefix), checked=plain is not None)
 
 
-def plan(retrieval: list[str], step_thresholds: list[float], *, raw_trace_draft: bool = True) -> list[Method]:
+def plan(retrieval: list[str], step_thresholds: list[float], *, raw_trace_draft: bool = True,
+         exemplar: bool = True) -> list[Method]:
     """The methods of one run: plain and prompt lookup, trace-as-draft substituted (every retrieval method) and,
     with `raw_trace_draft`, raw (the substitution's ablation, first retrieval method), the shared prefix,
-    trace-as-exemplar and one step-reuse setting per threshold (first retrieval method)."""
+    with `exemplar` trace-as-exemplar, and one step-reuse setting per threshold (first retrieval method)."""
     if not retrieval:
         raise ValueError(f"retrieval={retrieval!r} is empty; allowed: a non-empty list from ['ngram', 'embedding']")
     for method in retrieval:
@@ -280,7 +292,7 @@ def plan(retrieval: list[str], step_thresholds: list[float], *, raw_trace_draft:
     first = retrieval[0]
     return ([Method("plain"), Method("prompt_ngram")] + ([Method("trace_draft", first)] if raw_trace_draft else [])
             + [Method("trace_draft_subst", r) for r in retrieval]
-            + [Method("shared_prefix"), Method("exemplar", first)]
+            + [Method("shared_prefix")] + ([Method("exemplar", first)] if exemplar else [])
             + [Method("step_reuse", first, float(t)) for t in step_thresholds])
 
 
@@ -303,3 +315,33 @@ def serve_all(setup: Setup, methods: list[Method], batch_sizes: list[int], large
         queries += q
         batches += b
     return queries, batches
+
+
+def nearest_rows(setup: Setup) -> list[dict]:
+    """Per retrieval method whose features the setup holds (n-grams always, embeddings when loaded) and per query,
+    the nearest earlier query of the stream at batch 1, with no serving: a similarity depends only on the two
+    questions, so these are the similarities every method retrieving that way sees. Rows carry what
+    `summary.hit_curve` reads (method "nearest[<retrieval>]", batch_size 1, similarity, family, neighbour_family)."""
+    kinds = ["ngram"] + (["embedding"] if setup.embeddings is not None else [])
+    out = []
+    for kind in kinds:
+        cache = TraceCache()
+        for i, problem in enumerate(setup.stream):
+            emb = None if setup.embeddings is None else setup.embeddings[i]
+            _, best = cache.retrieve(setup.ngrams[i], emb, method=kind)
+            out.append({"method": f"nearest[{kind}]", "batch_size": 1, "query": i, "family": problem.family,
+                        "similarity": float("nan") if best is None else best.similarity,
+                        "neighbour_family": None if best is None else best.entry.problem.family})
+            cache.add(Entry(problem, setup.ngrams[i], emb, [], ""))
+    return out
+
+
+def left_out(retrieval: list[str], step_thresholds: list[float], *, raw_trace_draft: bool, exemplar: bool) -> list[str]:
+    """What this run's `plan` does not serve that a fuller profile can (a parameter each): the other retrieval
+    method for trace-as-draft, the raw trace-draft ablation, trace-as-exemplar, a step-reuse sweep of more than
+    one threshold. -> short phrases, [] when nothing is left out."""
+    out = [f"trace_draft_subst[{r}]" for r in RETRIEVAL_METHODS if r not in retrieval]
+    out += [] if raw_trace_draft else ["the raw trace-draft ablation (trace_draft)"]
+    out += [] if exemplar else ["trace-as-exemplar"]
+    out += [] if len(step_thresholds) > 1 else ["a step-reuse threshold sweep (one threshold served)"]
+    return out
