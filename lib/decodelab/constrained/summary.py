@@ -79,4 +79,9 @@ def crane_line(summary: dict) -> str:
                       f"[{format_value(d['ci_low'], '%')}, {format_value(d['ci_high'], '%')}]"
                       for name, d in summary["differences"].items())
     n = summary["modes"][0]["n"] if summary["modes"] else 0
-    return f"- Arithmetic ({n} problems, greedy, accuracy): {modes}. Paired differences: {diffs}."
+    line = f"- Arithmetic ({n} problems, greedy, accuracy): {modes}. Paired differences: {diffs}."
+    if "disagreements" in summary:
+        differ = summary["disagreements"]
+        line += (f" The constrained answer field reads another answer than its own free draft in {len(differ)} of "
+                 f"{n} problems ({sum(d['free'] == d['truth'] for d in differ)} where the draft was right).")
+    return line
