@@ -175,6 +175,14 @@ def test_summary_pairs_modes_on_the_same_problems_and_goals_read_ci_bounds():
     assert goals["crane_validity"].met is True
     assert goals["crane_vs_free_accuracy"].met is True
     assert goals["crane_vs_constrained_accuracy"].value == d["crane_minus_constrained"]["ci_low"]
+    assert "disagree on 0 of 20 problems" in goals["crane_vs_free_accuracy"].note
+
+
+def test_disagreement_upper_bound_is_the_exact_binomial_bound():
+    # 0 of n: solve (1 - u)^n = 0.05, the "rule of three" u ~ 3/n
+    assert CS.disagreement_upper_bound(0, 60) == pytest.approx(1 - 0.05 ** (1 / 60), rel=1e-9)
+    assert CS.disagreement_upper_bound(0, 60) < CS.disagreement_upper_bound(1, 60) < CS.disagreement_upper_bound(1, 20)
+    assert CS.disagreement_upper_bound(5, 5) == 1.0
 
 
 def test_crane_line_counts_the_answers_the_json_field_changed():

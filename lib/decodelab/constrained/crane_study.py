@@ -100,9 +100,28 @@ def crane_goals(summary: dict) -> list[Goal]:
             ("constrained", ">", 0.0, "accuracy: reason-then-constrain minus fully constrained JSON (CI lower bound)"),
             ("free", ">=", -NON_INFERIORITY, "accuracy: reason-then-constrain minus free output (CI lower bound)")):
         d = summary["differences"].get(f"crane_minus_{other}")
+        note = disagreement_note(summary) if other == "free" else ""
         out.append(Goal.check(f"crane_vs_{other}_accuracy", d and d["ci_low"], op, target, unit="%", label=label,
-                              estimate=d and d["difference"], ci=d and (d["ci_low"], d["ci_high"])))
+                              estimate=d and d["difference"], ci=d and (d["ci_low"], d["ci_high"]), note=note))
     return out
+
+
+def disagreement_upper_bound(k: int, n: int, level: float = 0.95) -> float:
+    """Exact one-sided (Clopper-Pearson) upper bound on a rate seen k times in n trials: the paired bootstrap's
+    interval collapses to [0, 0] when no pair differs, but 0 of n still allows a rate up to ~3/n."""
+    from scipy.stats import beta
+
+    return 1.0 if k >= n else float(beta.ppf(level, k + 1, n - k))
+
+
+def disagreement_note(summary: dict) -> str:
+    """The goal row's note: on how many problems the answer field and the free text read different answers."""
+    n = next((m["n"] for m in summary["modes"] if m["mode"] == "crane"), 0)
+    if not n:
+        return ""
+    k = len(summary.get("disagreements", []))
+    return (f"the answer field and the free text disagree on {k} of {n} problems "
+            f"(95% upper bound on the rate: {disagreement_upper_bound(k, n):.1%})")
 
 
 def crane_metrics(summary: dict) -> dict:
