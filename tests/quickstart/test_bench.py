@@ -87,21 +87,3 @@ def test_fastest_call_is_kept_with_the_spread_and_tokens_counted_as_returned(mon
     assert (by_impl["ours"]["new_tokens"], by_impl["hf"]["new_tokens"]) == (8, 7)
     assert by_impl["hf"]["tokens_per_s"] == 7 / 3.0
     assert by_impl["ours"]["identical_rows"] == by_impl["hf"]["identical_rows"] == 1
-
-
-def test_the_warmup_call_runs_the_batch_size_on_each_prompts_last_tokens(monkeypatch):
-    seen = []
-
-    def side(model, prompts, max_new_tokens):
-        seen.append((prompts, max_new_tokens))
-        return [[1] * max_new_tokens for _ in prompts]
-
-    monkeypatch.setattr(bench, "IMPLS", {"ours": side, "hf": side})
-    monkeypatch.setattr(bench, "wall_clock", lambda fn, model, prompts, n: (fn(model, prompts, n), 1.0))
-    prompts = [list(range(10)), list(range(20, 26)), [7, 8]]
-    bench.compare_greedy(None, prompts, 3, repeats=1)
-    warm = [call for call in seen if call[1] == bench.WARMUP_TOKENS]
-    assert len(warm) == 2  # one per side, before any timed call
-    for short, _ in warm:
-        assert short == [p[-bench.WARMUP_PROMPT_TOKENS:] for p in prompts] == [[6, 7, 8, 9], [22, 23, 24, 25], [7, 8]]
-    assert [call[0] for call in seen if call[1] == 3] == [prompts, prompts]

@@ -30,9 +30,9 @@ BENCH_QUESTIONS = [
     "Summarize the plot of Romeo and Juliet in one paragraph.",
 ]
 WARMUP_TOKENS = 2  # one untimed call per side and batch size: allocations for that shape happen here
-# The warm-up call feeds only each prompt's last tokens: it runs the decode step at the batch's size (buffers,
-# kernel choice) without paying the full prefill again, which at batch 64 costs as much as dozens of steps.
-WARMUP_PROMPT_TOKENS = 4
+# The warm-up feeds the full prompts: the timed call's prefill shape must be warm too (bf16 builds one oneDNN
+# primitive per matmul shape; a warm-up on short prompts left the prefill's to the timed call and made bf16 at
+# batch 1 read 0.79x fp32 instead of ~1.1x in a quiet run).
 
 
 def chat_prompts(tokenizer, questions: list[str] = BENCH_QUESTIONS) -> list[list[int]]:
@@ -93,15 +93,10 @@ def identical_rows(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(row_a == row_b for row_a, row_b in zip(a, b))
 
 
-def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
-    """Each prompt's last WARMUP_PROMPT_TOKENS tokens (the untimed warm-up call's short prompts)."""
-    return [p[-WARMUP_PROMPT_TOKENS:] for p in prompts]
-
-
 def compare_greedy(model, prompts: list[list[int]], max_new_tokens: int, *, repeats: int) -> list[dict]:
     """Time both sides on one batch, interleaved: -> one row per side (see `decode_throughput`)."""
     for fn in IMPLS.values():
-        fn(model, warmup_prompts(prompts), WARMUP_TOKENS)
+        fn(model, prompts, WARMUP_TOKENS)
     seconds: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     tokens: dict[str, list[list[list[int]]]] = {impl: [] for impl in IMPLS}
     for _ in range(repeats):
@@ -130,8 +125,7 @@ def decode_throughput(model, batch_sizes: list[int], max_new_tokens: int, *, rep
     identical_rows, rows}: `seconds` is the fastest of `repeats` timed calls, `seconds_max` the slowest,
     `spread` = seconds_max / seconds - 1; `new_tokens` the tokens that side returned (all rows), and
     tokens_per_s = new_tokens / seconds. `identical_rows` (same on both sides' rows) counts rows whose
-    full token lists are equal in every repeat. Each side gets one untimed warm-up call per batch size (on
-    `warmup_prompts`: the same batch size, short prompts).
+    full token lists are equal in every repeat. Each side gets one untimed warm-up call per batch size.
     """
     for batch in batch_sizes:
         if not isinstance(batch, int) or batch < 1:
