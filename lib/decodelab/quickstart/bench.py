@@ -31,8 +31,8 @@ BENCH_QUESTIONS = [
 ]
 WARMUP_TOKENS = 2  # one untimed call per side and batch size: allocations for that shape happen here
 # The warm-up feeds the full prompts: the timed call's prefill shape must be warm too (bf16 builds one oneDNN
-# primitive per matmul shape; a warm-up on short prompts left the prefill's to the timed call and made bf16 at
-# batch 1 read 0.79x fp32 instead of ~1.1x in a quiet run).
+# primitive per matmul shape); with a warm-up on short prompts (the prefill shapes left to the timed call) bf16 at
+# batch 1 read 0.79x fp32 in a quiet run, against 1.07x with full-prompt warm-ups in the run before.
 
 
 def chat_prompts(tokenizer, questions: list[str] = BENCH_QUESTIONS) -> list[list[int]]:
