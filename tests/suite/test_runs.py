@@ -214,6 +214,12 @@ def test_execute_writes_params_metrics_env_and_notebook(tiny):
     assert load["loaded"] is (load["peak_1min"] > load["cores"])
     executed = json.loads((run_dir / "notebook.ipynb").read_text())
     assert any("injected-parameters" in c["metadata"].get("tags", []) for c in executed["cells"])
+    durations = {i: c["metadata"]["papermill"]["duration"] for i, c in enumerate(executed["cells"])
+                 if c["metadata"].get("papermill", {}).get("duration") is not None}
+    slowest = env["slowest_cells"]  # papermill's own per-cell durations, slowest first
+    assert slowest and [c["seconds"] for c in slowest] == sorted((c["seconds"] for c in slowest), reverse=True)
+    assert all(c["seconds"] == round(durations[c["index"]], 2) for c in slowest)
+    assert len(slowest) == min(8, len(durations))
     # same parameters and seed -> same metrics, in a new directory
     again = runner.execute("tiny", "smoke", {"names": ["z"]}, progress=False, log=lambda *_: None)
     assert again != run_dir
@@ -251,3 +257,16 @@ def test_log_env_merges_run_facts_into_env_json_and_keeps_the_rest(tmp_path):
     assert facts == env["run_facts"] == {"compile": {"requested": True, "compiled": False, "reason": "no compiler"},
                                          "verify_widths": {"1": 1, "2": 4}}
     assert {k: v for k, v in env.items() if k != "run_facts"} == before
+
+
+def test_cell_seconds_ranks_cells_by_papermill_duration_and_reads_nothing_from_a_missing_notebook(tmp_path):
+    cells = [{"cell_type": "code", "source": f"step_{i}()\n", "metadata": {"papermill": {"duration": d}}}
+             for i, d in enumerate([0.5, 3.25, None, 1.0])]
+    cells.append({"cell_type": "markdown", "source": "# notes", "metadata": {}})
+    path = tmp_path / "notebook.ipynb"
+    path.write_text(json.dumps({"cells": cells}))
+    assert records.cell_seconds(path) == [{"index": 1, "seconds": 3.25, "first_line": "step_1()"},
+                                          {"index": 3, "seconds": 1.0, "first_line": "step_3()"},
+                                          {"index": 0, "seconds": 0.5, "first_line": "step_0()"}]
+    assert records.cell_seconds(path, top=1) == [{"index": 1, "seconds": 3.25, "first_line": "step_1()"}]
+    assert records.cell_seconds(tmp_path / "missing.ipynb") == []

@@ -202,29 +202,49 @@ def effective_status(env: dict) -> str:
     return status if process_alive(pid, runner.get("start_ticks")) else STATUS_PROCESS_GONE
 
 
+def _executed_cells(notebook_path: Path) -> list[dict] | None:
+    """The cells of an executed notebook, or None when it cannot be read."""
+    try:
+        return json.loads(Path(notebook_path).read_text(encoding="utf-8")).get("cells", [])
+    except (OSError, ValueError):
+        return None
+
+
+def _first_line(cell: dict, width: int = 100) -> str:
+    source = cell.get("source", "")
+    source = "".join(source) if isinstance(source, list) else source
+    first = next((line.strip() for line in source.splitlines() if line.strip()), "")
+    return first if len(first) <= width else first[:width - 3] + "..."
+
+
 def last_cell(notebook_path: Path) -> dict | None:
     """The last cell a run reached, from the executed notebook papermill saves at every cell start:
     {"index", "of", "execution_count", "first_line", "started"} (index 0-based, counting the injected
     parameters cell), or None when no cell started or the notebook cannot be read."""
-    try:
-        cells = json.loads(Path(notebook_path).read_text(encoding="utf-8")).get("cells", [])
-    except (OSError, ValueError):
-        return None
+    cells = _executed_cells(notebook_path)
     reached = [
-        (index, cell) for index, cell in enumerate(cells)
+        (index, cell) for index, cell in enumerate(cells or [])
         if (cell.get("metadata", {}).get("papermill") or {}).get("start_time")
     ]
     if not reached:
         return None
     index, cell = reached[-1]
-    source = cell.get("source", "")
-    source = "".join(source) if isinstance(source, list) else source
-    first = next((line.strip() for line in source.splitlines() if line.strip()), "")
     return {
         "index": index, "of": len(cells), "execution_count": cell.get("execution_count"),
-        "first_line": first if len(first) <= 100 else first[:97] + "...",
-        "started": cell["metadata"]["papermill"]["start_time"],
+        "first_line": _first_line(cell), "started": cell["metadata"]["papermill"]["start_time"],
     }
+
+
+def cell_seconds(notebook_path: Path, *, top: int = 8) -> list[dict]:
+    """The `top` slowest cells of an executed notebook, slowest first, from papermill's per-cell durations:
+    [{"index", "seconds", "first_line"}] (index as in `last_cell`); [] when the notebook cannot be read.
+    Where a notebook's wall time goes, for trimming a profile without guessing."""
+    timed = [
+        {"index": index, "seconds": round(float(duration), 2), "first_line": _first_line(cell, 80)}
+        for index, cell in enumerate(_executed_cells(notebook_path) or [])
+        if (duration := (cell.get("metadata", {}).get("papermill") or {}).get("duration")) is not None
+    ]
+    return sorted(timed, key=lambda c: -c["seconds"])[:top]
 
 
 def describe_cell(cell: dict | None) -> str:

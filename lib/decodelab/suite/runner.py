@@ -22,6 +22,7 @@ from decodelab.suite.records import (
     STATUS_INTERRUPTED,
     STATUS_OK,
     STATUS_RUNNING,
+    cell_seconds,
     check_results_root,
     describe_cell,
     last_cell,
@@ -146,7 +147,7 @@ def _execute(name, profile, overrides, path, injected, merged, root, progress, l
     def finish(status: str, **fields) -> None:
         env = read_json(run_dir / "env.json", {})  # keep what the kernel added
         env.update(status=status, finished=now(), wall_s=round(time.perf_counter() - t0, 3),
-                   load=sampler.stop(), **fields)
+                   load=sampler.stop(), slowest_cells=cell_seconds(notebook_out), **fields)
         write_json(run_dir / "env.json", env, strict=False)
 
     quiet = _QuietPapermill()
