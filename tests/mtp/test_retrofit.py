@@ -297,3 +297,39 @@ def test_held_out_blocks_never_reach_the_training(tmp_path):
         rt.train_retrofit(a, data, rt.RetrofitSpec(val_blocks=6), run_dir=tmp_path / "c")
     with pytest.raises(ValueError, match="val_blocks=64"):
         rt.RetrofitSpec(data=distill.DistillData(n_blocks=64), val_blocks=64)
+
+
+def test_layer_copy_init_starts_from_the_trunk_layer_and_leaves_the_trunk_frozen(tmp_path):
+    trunk = frozen()
+    data = fake_dataset(trunk)
+    before = trunk(input_ids=data["tokens"]).logits.detach().clone()
+    layer_before = {k: v.clone() for k, v in trunk.model.layers[-1].state_dict().items()}
+    model = rt.new_module_model(trunk, seed=0, init_layer=-1)
+    for name, value in model.heads[0].block.state_dict().items():
+        assert torch.equal(value, layer_before[name]), name
+    d = model.heads[0].proj.weight.shape[0]
+    assert torch.equal(model.heads[0].proj.weight, torch.cat([torch.eye(d), torch.zeros(d, d)], 1))  # W = [I, 0]
+    spec = rt.RetrofitSpec(steps=4, batch_size=2, warmup=1, val_blocks=1, init_layer=-1)
+    rt.train_retrofit(model, data, spec, run_dir=tmp_path / "whole", save_every=2)
+    assert torch.equal(trunk(input_ids=data["tokens"]).logits, before)  # the copy trained, not the trunk's layer
+    for name, value in trunk.model.layers[-1].state_dict().items():
+        assert torch.equal(value, layer_before[name]), name
+    cut = rt.new_module_model(trunk, seed=0, init_layer=-1)
+    rt.train_retrofit(cut, data, spec, run_dir=tmp_path / "cut", save_every=2, stop_after=2)
+    resumed = rt.new_module_model(trunk, seed=0, init_layer=-1)
+    rt.train_retrofit(resumed, data, spec, run_dir=tmp_path / "cut", save_every=2)
+    for (name, a), b in zip(model.heads.state_dict().items(), resumed.heads.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="init_layer=7"):
+        rt.new_module_model(trunk, seed=0, init_layer=7)
+
+
+def test_distillation_skips_the_evaluation_workloads_files():
+    skip = distill.evaluation_files()
+    assert "textwrap.py" in skip and "hand-written" not in skip
+
+    class Corpus:
+        root = None
+        train_files = sorted(skip)
+
+    assert distill.training_texts(Corpus()) == []

@@ -35,7 +35,7 @@ class DistillData:
     """What the distillation set is made of (part of the checkpoint's content hash)."""
 
     seq_len: int = 512  # tokens per training block (a code edit's request + answer fits whole)
-    n_blocks: int = 96  # blocks the frozen trunk runs over (the cost: one trunk forward per token)
+    n_blocks: int = 192  # blocks the frozen trunk runs over (the cost: one trunk forward per token)
     chat_prompts: int = 8  # writing prompts answered by the model itself (greedy, through the engine)
     chat_new_tokens: int = 48  # tokens generated per chat prompt
     code_gen_prompts: int = 24  # code-edit requests answered by the model itself (greedy) instead of the reference
@@ -93,10 +93,29 @@ def extraction_pair(docstring: str) -> tuple[str, str] | None:
     return request, ". ".join(sentences[:2]) + "."
 
 
+def evaluation_files(path=None) -> set[str]:
+    """Stdlib files (relative paths) the drafting workloads (data/spec_workloads.jsonl) take prompts from: the
+    file split puts most of them in the training split, so the distillation set must skip them by name."""
+    from decodelab.workloads.spec import load_workloads
+
+    return {row["source"].split(":")[0].split(" ")[0] for row in load_workloads(path)
+            if row["source"] != "hand-written"}
+
+
+def training_texts(corpus) -> list[str]:
+    """The training split's file contents in hash order, without the evaluation workloads' files."""
+    from decodelab.mtp.data import shuffle_key
+
+    skip = evaluation_files()
+    names = sorted((rel for rel in corpus.train_files if rel not in skip), key=shuffle_key)
+    return [(corpus.root / rel).read_text(encoding="utf-8", errors="replace") for rel in names]
+
+
 def task_pairs(corpus, data: DistillData) -> list[tuple[str, str, str]]:
-    """(kind, request, answer) from the corpus's training split, code edits and extractions interleaved."""
+    """(kind, request, answer) from the corpus's training split (less the evaluation workloads' files), code
+    edits and extractions interleaved."""
     code, extract = [], []
-    for text in corpus.texts("train", order="hash"):
+    for text in training_texts(corpus):
         for name, fn in functions_of(text, min_lines=data.min_code_lines, max_chars=data.max_code_chars):
             code.append(("code_edit", *code_edit_pair(name, fn)))
         try:
@@ -213,7 +232,7 @@ def content_hash(model_name: str, data: DistillData, corpus_hash: str, tokenizer
     from decodelab.mtp.data import tokenizer_fingerprint
 
     key = {"model": model_name, "data": data.as_dict(), "corpus": corpus_hash,
-           "tokenizer": tokenizer_fingerprint(tokenizer), "format": 1}
+           "tokenizer": tokenizer_fingerprint(tokenizer), "format": 2}  # 2: evaluation files skipped
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 

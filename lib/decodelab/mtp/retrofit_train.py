@@ -40,7 +40,7 @@ class RetrofitSpec:
 
     data: DistillData = DistillData()
     loss: str = "kl"  # "kl" (self-distillation) or "ce" (plain labels, the ablation)
-    steps: int = 192  # ~4.4 epochs of the default 96 - val_blocks training blocks
+    steps: int = 288  # ~3.1 epochs of the default 192 - val_blocks training blocks
     batch_size: int = 2  # blocks per step
     lr: float = 2e-3
     warmup: int = 10
@@ -48,6 +48,7 @@ class RetrofitSpec:
     grad_clip: float = 1.0
     seed: int = 0
     val_blocks: int = 8  # the distillation set's last blocks, never trained on: the record's held-out agreement
+    init_layer: int | None = None  # trunk layer the module's block starts as a copy of (-1: the last); None: identity
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -58,6 +59,8 @@ class RetrofitSpec:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if not 0 < self.loss_fraction <= 1:
             raise ValueError(f"loss_fraction={self.loss_fraction!r} must be in (0, 1]")
+        if self.init_layer is not None and (isinstance(self.init_layer, bool) or not isinstance(self.init_layer, int)):
+            raise ValueError(f"init_layer={self.init_layer!r} must be an int (a trunk layer index, -1 = last) or None")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if isinstance(self.val_blocks, bool) or not isinstance(self.val_blocks, int) or \
@@ -74,7 +77,8 @@ class RetrofitSpec:
 
 def spec_hash(spec: RetrofitSpec, model_name: str, corpus_hash: str) -> str:
     """16 hex digits naming a trained module: spec + frozen model + corpus."""
-    key = {"spec": spec.as_dict(), "model": model_name, "corpus": corpus_hash, "format": 1}
+    # format 2: the distillation set skips the evaluation workloads' files
+    key = {"spec": spec.as_dict(), "model": model_name, "corpus": corpus_hash, "format": 2}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -129,9 +133,18 @@ def valid_positions(mask: torch.Tensor, loss: str) -> torch.Tensor:
     return valid
 
 
-def new_module_model(trunk, seed: int) -> MTPModel:
-    """The frozen trunk plus one identity-initialized DeepSeek module (Medusa-style start: the model's own guess)."""
-    return MTPModel(trunk, MTPConfig(style="deepseek", n_heads=2), frozen_trunk=True, seed=seed)
+def new_module_model(trunk, seed: int, init_layer: int | None = None) -> MTPModel:
+    """The frozen trunk plus one DeepSeek module. init_layer None: identity-initialized (Medusa-style start: the
+    model's own guess); an int: the block starts as a copy of that trunk layer (a trained layer, not noise), the
+    combine projection still W = [I, 0], so the module first reads the state alone, as the layer it copies did."""
+    model = MTPModel(trunk, MTPConfig(style="deepseek", n_heads=2), frozen_trunk=True, seed=seed)
+    if init_layer is not None:
+        layers = trunk.model.layers
+        if not -len(layers) <= init_layer < len(layers):
+            raise ValueError(f"init_layer={init_layer} must be in [-{len(layers)}, {len(layers)}) for this trunk")
+        state = {k: v.detach().clone() for k, v in layers[init_layer].state_dict().items()}
+        model.heads[0].block.load_state_dict(state)  # a copy: the trunk's own layer stays frozen and untouched
+    return model
 
 
 def _save_state(path: Path, model: MTPModel, optimizer, step: int, losses: list[float], elapsed: float) -> None:

@@ -112,7 +112,7 @@ def train_checkpoint(spec: RetrofitSpec, *, model_name: str = "smollm2-135m", ou
     began = time.perf_counter()
     dataset = build_distill_set(loaded, corpus, spec.data, cache_dir=root / "data", progress=progress)
     data_s = time.perf_counter() - began
-    model = new_module_model(loaded.hf_model, spec.seed)
+    model = new_module_model(loaded.hf_model, spec.seed, spec.init_layer)
     result = train_retrofit(model, dataset, spec, run_dir=run_dir, save_every=save_every, stop_after=stop_after,
                             progress=progress)
     if result["steps_done"] < spec.steps:
@@ -146,8 +146,10 @@ def _copy_checkpoint(src: Path, dst: Path) -> Path:
     import shutil
 
     dst.mkdir(parents=True, exist_ok=True)
-    for name in (WEIGHTS, "mtp_config.json", "record.json"):
+    for name in (WEIGHTS, "mtp_config.json"):
         shutil.copyfile(src / name, dst / name)
+    record = read_record(src)  # the record names the directory it lies in (a cached run serves several)
+    (dst / "record.json").write_text(json.dumps({**record, "name": dst.name}, indent=2))
     return dst
 
 
@@ -187,6 +189,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--chat-prompts", type=int, default=data.chat_prompts)
     p.add_argument("--code-gen-prompts", type=int, default=data.code_gen_prompts,
                    help="code-edit requests answered by the model's own greedy continuation")
+    p.add_argument("--init-layer", type=lambda v: None if v == "none" else int(v), default=defaults.init_layer,
+                   help="trunk layer the module's block starts as a copy of (-1: the last; 'none': identity init)")
     p.add_argument("--save-every", type=int, default=20, help="steps between resumable checkpoints")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (resume later)")
     p.add_argument("--cache-dir", default=None, help="where runs and distillation sets are cached")
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                        code_gen_prompts=args.code_gen_prompts)
     spec = RetrofitSpec(data=data, loss=args.loss, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                         warmup=max(1, min(RetrofitSpec.warmup, args.steps // 10)), loss_fraction=args.loss_fraction,
-                        seed=args.seed)
+                        seed=args.seed, init_layer=args.init_layer)
     command = "decodelab train-mtp " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     out = train_checkpoint(spec, model_name=args.model, out=args.out, cache_dir=args.cache_dir,
                            save_every=args.save_every, stop_after=args.stop_after, command=command.strip())
