@@ -115,3 +115,23 @@ def test_awrs_per_step_converges_to_masked_distribution_on_a_scored_trie(scored)
     row = K.run_corrector(trie, "awrs", exact.masked, [20_000], seed=1)[-1]
     assert row["tv"] < 0.03
     assert 0 < row["checks"] / row["forward_passes"] < 49152 / 100  # far fewer checks than a vocabulary scan
+
+
+def test_exact_sampler_floor_is_zero_for_a_one_string_language():
+    assert K.exact_sampler_floor({"only": 1.0}, 1000) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_exact_sampler_floor_falls_with_samples_like_the_chi_square_term():
+    target = {f"s{i}": w for i, w in enumerate([0.3, 0.2, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05])}
+    total = sum(target.values())
+    target = {s: w / total for s, w in target.items()}
+    floors = [K.exact_sampler_floor(target, n, seeds=20) for n in (500, 5000, 50_000)]
+    assert floors[0] > floors[1] > floors[2] > 0
+    assert floors[2] == pytest.approx((len(target) - 1) / (2 * 50_000), rel=0.3)  # KL ~ chi-square / (2n)
+
+
+def test_corrector_rows_carry_the_floor_at_their_sample_count():
+    trie = hand_trie()
+    exact = D.exact_distributions(trie, {"a": [3], "ab": [5]})
+    row = K.run_corrector(trie, "rejection", exact.target, [2000], seed=0)[-1]
+    assert row["kl_floor"] == K.exact_sampler_floor(exact.target, row["samples"], seed=0)

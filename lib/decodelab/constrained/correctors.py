@@ -83,12 +83,37 @@ def estimate_from_counts(counts: dict[str, float], n: float, strings: list[str])
     return {s: (counts.get(s, 0.0) + alpha) / denom for s in strings}
 
 
+FLOOR_SEEDS = 5  # exact-sampler draws averaged per floor value (its spread across seeds is a few percent)
+
+
+def exact_sampler_floor(target: dict[str, float], n: float, *, seeds: int = FLOOR_SEEDS, seed: int = 0) -> float:
+    """Mean KL(target || estimate) that n i.i.d. draws from the target itself get under `estimate_from_counts`.
+
+    The KL of a perfect sampler is not 0: the smoothed histogram of n draws is noisy, about (|L| - 1) / (2n)
+    nats for a spread-out target (the chi-square term of KL's expansion), less for a peaked one. A
+    corrector's measured KL is this floor plus its own bias, so the floor says what the estimator can resolve.
+    n: samples, rounded (weighted methods: effective samples as `_combine_runs` counts them); n = 0 gives the
+    KL of the uniform smoothed estimate. -> nats, averaged over `seeds` multinomial draws seeded from `seed`.
+    """
+    if n < 0 or seeds < 1:
+        raise ValueError(f"n={n!r} must be >= 0 and seeds={seeds!r} >= 1")
+    strings = list(target)
+    p = np.array([target[s] for s in strings], dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(seeds):
+        draws = rng.multinomial(int(round(n)), p / p.sum())
+        values.append(kl(target, estimate_from_counts(dict(zip(strings, draws.astype(float))), float(n), strings)))
+    return float(np.mean(values))
+
+
 def run_corrector(trie: TokenTrie, method: str, target: dict[str, float], budgets: list[int], *, seed: int = 0,
                   particles: int = 16, ess_threshold: float = 0.5) -> list[dict]:
-    """Run `method` until each forward-pass budget; -> [{method, forward_passes, samples, kl, tv, masks,
-    checks}] per budget.
+    """Run `method` until each forward-pass budget; -> [{method, forward_passes, samples, kl, kl_floor, tv,
+    masks, checks}] per budget.
 
-    kl = KL(target || estimate), tv = TV(target, estimate), estimate smoothed as in `estimate_from_counts`.
+    kl = KL(target || estimate), tv = TV(target, estimate), estimate smoothed as in `estimate_from_counts`;
+    kl_floor = `exact_sampler_floor` at the row's sample count (what a perfect sampler would measure).
     masks: full vocabulary masks computed (one per sampled token for FULL_MASK methods); checks: single-token
     grammar checks (rejection: one per sampled token; AWRS: one per draw).
     """
@@ -108,7 +133,8 @@ def run_corrector(trie: TokenTrie, method: str, target: dict[str, float], budget
     def record():
         est = estimate_from_counts(counts, n, strings)
         rows.append({"method": method, "forward_passes": cost, "samples": n,
-                     "kl": kl(target, est), "tv": tv(target, est),
+                     "kl": kl(target, est), "kl_floor": exact_sampler_floor(target, n, seed=seed),
+                     "tv": tv(target, est),
                      "masks": cost if method in FULL_MASK else 0,
                      "checks": cost if method == "rejection" else checks})
 
