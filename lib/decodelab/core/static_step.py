@@ -13,8 +13,10 @@ tensor. Keys/values are written in place at slot p_b of every layer before atten
 get softmax weight exactly 0, so the step computes the same attention as the eager one, up to the
 summation order of the longer (masked) reduction. The tests check greedy tokens are identical.
 
-`StaticStep(tr, compile=True)` compiles the step once per Transformer (inductor; `mode` as
-torch.compile's, e.g. "reduce-overhead" for CUDA graphs on a GPU). Where compiling fails (no C++
+`StaticStep(tr, compile=True)` compiles the step with inductor (`mode` as torch.compile's, e.g.
+"reduce-overhead" for CUDA graphs on a GPU) region by region: the two halves of one decoder layer
+(`layer_qkv`, `layer_out`) are compiled once and serve every layer, since all layers share their shapes.
+Compiling the whole 30-layer step as one graph took minutes on 2 CPU cores; one layer takes seconds. Where compiling fails (no C++
 compiler, an unsupported backend) it warns once and runs the same static step eagerly; `status()`
 says which path ran and why, for the run's env.json.
 """
@@ -38,42 +40,62 @@ def plain_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def layer_qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: tuple[int, int, int],
+              linear=plain_linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First half of a decoder layer of the static step: x (B, 1, E) -> queries folded per KV head
+    (B, K, G, D) and the new key and value (B, K, D), RoPE applied. cos, sin: (B, 1, 1, D); heads: (H, K, D)."""
+    n_heads, n_kv_heads, head_dim = heads
+    batch = x.shape[0]
+    h = layer.input_layernorm(x)
+    attn = layer.self_attn
+    q = linear(attn.q_proj, h).view(batch, 1, n_heads, head_dim)
+    k = linear(attn.k_proj, h).view(batch, 1, n_kv_heads, head_dim)
+    v = linear(attn.v_proj, h).view(batch, 1, n_kv_heads, head_dim)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    return q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim), k[:, :, 0], v[:, :, 0]
+
+
+def layer_out(layer, x: torch.Tensor, folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              mask: torch.Tensor, linear=plain_linear) -> torch.Tensor:
+    """Second half: attention of the folded queries (B, K, G, D) over this layer's cache keys, values
+    (B, K, S, D) under mask (B, 1, G, S), then o_proj, the MLP and both residuals -> x (B, 1, E)."""
+    batch, attn = x.shape[0], layer.self_attn
+    out = torch.nn.functional.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
+    x = x + linear(attn.o_proj, out.reshape(batch, 1, -1))
+    mlp, h = layer.mlp, layer.post_attention_layernorm(x)
+    return x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+
+
 def static_decode_logits(tr: Transformer, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                         tokens: torch.Tensor, *, packed: bool = True) -> torch.Tensor:
+                         tokens: torch.Tensor, *, packed: bool = True, halves=(layer_qkv, layer_out)) -> torch.Tensor:
     """One decode step over a full-length cache, shapes fixed by (B, S): -> next-token logits (B, V) fp32.
 
     keys, values: (L, B, K, S, D), written in place at position lengths[b] of each row; lengths (B,) long
     (not advanced here: the caller counts the new position); tokens (B,) long. packed: the eager path's
-    once-packed bf16 weights (`tr.linear`, bit-identical to the modules); False for the compiled graph.
+    once-packed bf16 weights (`tr.linear`, bit-identical to the modules); False for compiled code.
+    halves: (`layer_qkv`, `layer_out`) or compiled versions of them. Every layer has the same shapes, so one
+    graph of each half serves all L layers (regional compilation: the compiler sees one layer, not L).
     """
     linear = tr.linear if packed else plain_linear
-    batch = tokens.shape[0]
-    positions = lengths[:, None]  # (B, 1)
-    rows = torch.arange(batch, device=tokens.device)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
     mask = grouped_mask(static_visible(lengths, keys.shape[3]), tr.n_heads // tr.n_kv_heads)  # (B, 1, G, S)
     x = tr.embed_tokens(tokens[:, None])
-    cos, sin = tr.rotary(x, positions)
+    cos, sin = tr.rotary(x, lengths[:, None])
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    heads = (tr.n_heads, tr.n_kv_heads, tr.head_dim)
+    qkv, out = halves
     for slot in range(tr.n_layers):
         layer = tr.layers[slot]
-        h = layer.input_layernorm(x)
-        attn = layer.self_attn
-        q = linear(attn.q_proj, h).view(batch, 1, tr.n_heads, tr.head_dim)
-        k = linear(attn.k_proj, h).view(batch, 1, tr.n_kv_heads, tr.head_dim)
-        v = linear(attn.v_proj, h).view(batch, 1, tr.n_kv_heads, tr.head_dim)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        keys[slot, rows, :, lengths] = k[:, :, 0]
-        values[slot, rows, :, lengths] = v[:, :, 0]
-        folded = q.reshape(batch, tr.n_kv_heads, tr.n_heads // tr.n_kv_heads, tr.head_dim)
-        out = torch.nn.functional.scaled_dot_product_attention(folded, keys[slot], values[slot], attn_mask=mask)
-        out = out.reshape(batch, 1, tr.n_heads * tr.head_dim)
-        x = x + linear(attn.o_proj, out)
-        mlp, h = layer.mlp, layer.post_attention_layernorm(x)
-        x = x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+        folded, k, v = qkv(layer, x, cos, sin, heads, linear)
+        # The cache write stays outside the halves: compiled code that writes into a view of the cache
+        # copies the whole view back every call.
+        keys[slot, rows, :, lengths] = k
+        values[slot, rows, :, lengths] = v
+        x = out(layer, x, folded, keys[slot], values[slot], mask, linear)
     return linear(tr.lm_head, tr.final_norm(x))[:, 0].float()
 
 
@@ -92,8 +114,9 @@ class StaticStep:
         self._fn = None
         if compile:
             try:
-                compiled = torch.compile(static_decode_logits, mode=mode, dynamic=False, fullgraph=True)
-                self._fn = lambda *args: compiled(*args, packed=False)
+                halves = tuple(torch.compile(half, mode=mode, dynamic=False, fullgraph=True)
+                               for half in (layer_qkv, layer_out))
+                self._fn = lambda *args: static_decode_logits(*args, packed=False, halves=halves)
             except Exception as error:  # noqa: BLE001 - any failure means: no compiler here
                 self._fall_back(error)
 
