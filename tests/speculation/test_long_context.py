@@ -46,6 +46,13 @@ def test_sweep_rows_are_exact_and_carry_a_ci(standin):
     assert all(r["verify_ratio"] >= 1.0 and 0 < r["alpha"] < 1 or r["tau"] == 1.0 for r in read)
 
 
+def test_a_capped_drafter_runs_only_up_to_its_batch(standin):
+    rows = lc.long_context_sweep(standin, contexts=[48], batches=[1, 3], drafters=["ngram", "sparse_kv"], k=2,
+                                 max_new_tokens=4, repeats=1, sink=2, window=8, max_batch={"sparse_kv": 1})
+    assert [(r["batch"], r["drafter"]) for r in rows] == [(1, "ngram"), (1, "sparse_kv"), (3, "ngram")]
+    assert all(r["matches_plain"] for r in rows)
+
+
 def test_shared_prefill_decodes_like_a_plain_prefill(tiny):
     prompts = _workload(40, 3).prompts
     pre = lc.shared_prefill(tiny, prompts, max_new_tokens=8, max_k=3)
@@ -70,6 +77,10 @@ def test_bad_grid_names_the_parameter():
         lc.check_grid([1024], [1], ["mtp"], 3)
     with pytest.raises(ValueError, match="batches=\\[0\\]"):
         lc.check_grid([1024], [0], ["ngram"], 3)
+    with pytest.raises(ValueError, match="names 'layer_skip', which is not in long_drafters"):
+        lc.check_grid([1024], [1], ["ngram"], 3, {"layer_skip": 4})
+    with pytest.raises(ValueError, match="must be an int >= the smallest batch"):
+        lc.check_grid([1024], [2, 4], ["ngram"], 3, {"ngram": 1})
 
 
 def _row(context, batch, drafter, speedup, low=None):

@@ -59,7 +59,7 @@ def check_memory(model, contexts, batches, *, max_new_tokens: int, max_k: int, a
                              f"{available / 2**30:.1f} GiB is available (80% usable): lower the batch or the context")
 
 
-def check_grid(contexts, batches, drafters, k) -> None:
+def check_grid(contexts, batches, drafters, k, max_batch=None) -> None:
     for name, values in (("contexts", contexts), ("batches", batches)):
         if not values or any(not isinstance(v, int) or v < 1 for v in values):
             raise ValueError(f"{name}={values!r} must be a non-empty list of positive ints")
@@ -68,6 +68,12 @@ def check_grid(contexts, batches, drafters, k) -> None:
         raise ValueError(f"long_drafters={drafters!r}: allowed drafters are {list(allowed)}")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"long_k={k!r} must be an int >= 1")
+    for name, cap in (max_batch or {}).items():
+        if name not in drafters:
+            raise ValueError(f"long_drafter_max_batch names {name!r}, which is not in long_drafters={list(drafters)}")
+        if not isinstance(cap, int) or cap < min(batches):
+            raise ValueError(f"long_drafter_max_batch[{name!r}]={cap!r} must be an int >= the smallest batch "
+                             f"({min(batches)})")
 
 
 def batch_prefilled(full: Prefilled, batch: int) -> Prefilled:
@@ -95,11 +101,13 @@ def shared_prefill(model, prompts, *, max_new_tokens: int, max_k: int) -> Prefil
 
 def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_tokens: int, repeats: int,
                        sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW, task: str = "edit",
-                       progress: bool = False) -> list[dict]:
+                       max_batch: dict | None = None, progress: bool = False) -> list[dict]:
     """-> one row per (context, batch, drafter): {context, batch, drafter, k, speedup, speedup_low,
     speedup_high, ratios, plain_s, spec_s (min over repeats), tau, draft_s, verify_s, steps, draft_s_per_token,
-    matches_plain} (the fields `roofline.validate` reads, so the roofline can be judged on held-out cells)."""
-    check_grid(contexts, batches, drafters, k)
+    matches_plain} (the fields `roofline.validate` reads, so the roofline can be judged on held-out cells).
+    max_batch: {drafter: the largest batch it runs at} (CPU time); absent drafters run at every batch."""
+    check_grid(contexts, batches, drafters, k, max_batch)
+    max_batch = max_batch or {}
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"long_repeats={repeats!r} must be an int >= 1")
     check_memory(model, contexts, batches, max_new_tokens=max_new_tokens, max_k=k)
@@ -112,9 +120,10 @@ def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_to
         full = shared_prefill(model, work.prompts, max_new_tokens=max_new_tokens, max_k=k)
         for batch in sorted(batches):
             pre = batch_prefilled(full, batch)
+            here = [d for d in drafters if batch <= max_batch.get(d, batch)]
             made = {d: (SparseKVDrafter(model, sink=sink, window=window).share(pre.cache) if d == "sparse_kv"
-                        else make_drafter(d, model)) for d in drafters}
-            runs = {name: [] for name in ["plain", *drafters]}
+                        else make_drafter(d, model)) for d in here}
+            runs = {name: [] for name in ["plain", *here]}
             for _ in range(repeats + 1):  # round 0 warms up and is dropped
                 for name in runs:
                     drafter = made.get(name)
@@ -123,9 +132,9 @@ def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_to
                     runs[name].append(out)
             timed = {name: [([len(out.tokens[0]) * batch], [out.stats.decode_s]) for out in outs[1:]]
                      for name, outs in runs.items()}
-            intervals = pooled_speedup_intervals(timed["plain"], [timed[d] for d in drafters])
+            intervals = pooled_speedup_intervals(timed["plain"], [timed[d] for d in here])
             plain = [r.stats.decode_s for r in runs["plain"][1:]]
-            for d, (low, high) in zip(drafters, intervals):
+            for d, (low, high) in zip(here, intervals):
                 spec = [r.stats.decode_s for r in runs[d][1:]]
                 ratios = [p / s for p, s in zip(plain, spec)]
                 last = runs[d][-1].stats
@@ -137,7 +146,7 @@ def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_to
                              "matches_plain": runs[d][-1].tokens == runs["plain"][-1].tokens})
             if progress:
                 print(f"context {context} batch {batch}: " + ", ".join(
-                    f"{r['drafter']} {r['speedup']:.2f}x" for r in rows[-len(drafters):]), flush=True)
+                    f"{r['drafter']} {r['speedup']:.2f}x" for r in rows[-len(here):]), flush=True)
     return rows
 
 
