@@ -31,8 +31,8 @@ def test_awrs_law_equals_masked_renormalized_distribution_exactly(allowed, weigh
 
 
 def test_hand_computed_two_token_example():
-    # allowed a with p = 0.25, forbidden b with 0.75: accept a always; weight (one draw) is 1 * [a] at the
-    # first round (p 0.25) and then (1 - 0.75) * 1 after b's rejection: E = 0.25 * 0.25 + 0.75 * 0.25 = 0.25
+    # allowed a with p = 0.25, forbidden b with 0.75: accept a always; weight (one draw, without replacement):
+    # a first (p 0.25): K = 0.25 and the draw is b, w = 0.25; b first: both seen, w = K = 0.25. E = 0.25
     law, expected = awrs_law([0.25, 0.75], {0}, weight_draws=1)
     assert law == {0: pytest.approx(1.0)}
     assert expected == pytest.approx(0.25)
@@ -52,7 +52,8 @@ def test_awrs_draw_samples_the_law_it_claims():
         assert abs(counts[t] / n - share) < 5 * math.sqrt(share * (1 - share) / n)
     weights = np.array([d.weight for d in draws])
     assert abs(weights.mean() - z) < 5 * weights.std() / math.sqrt(n)
-    assert all(d.checks == d.rejected + 1 + 2 + min(d.rejected, EXTRA_DRAWS_CAP) for d in draws)  # N = 2 + |R| (capped)
+    # N = 2 + |R| (capped) weight draws, fewer when they run out of untouched tokens (7 - |R| - 1 of them)
+    assert all(d.checks == d.rejected + 1 + min(2 + min(d.rejected, EXTRA_DRAWS_CAP), 6 - d.rejected) for d in draws)
 
 
 def test_awrs_draw_errors_on_an_empty_constrained_step():
@@ -122,15 +123,36 @@ def test_awrs_pick_on_a_grammar_engine_samples_the_masked_distribution_and_leave
 
 
 def test_weight_draws_grow_with_rejections_and_stay_unbiased_on_a_hand_computed_step():
-    # allowed a (p 0.1), forbidden b (0.9), one base weight draw. First draw a (p 0.1): R = {}, N = 1, the draw
-    # hits a with p 0.1 -> E[w] = 0.1. First draw b (p 0.9): R = {b}, N = 1 + 1 = 2 draws from {a} alone, each
-    # worth 1 - 0.9 = 0.1 -> w = 0.1 exactly. E[w] = 0.1 * 0.1 + 0.9 * 0.1 = 0.1 = Z.
+    # allowed a (p 0.1), forbidden b (0.9), one base weight draw, without replacement. First draw a (p 0.1):
+    # K = 0.1, R = {}, N = 1: the draw can only be b -> w = 0.1. First draw b (p 0.9): R = {b}, N = 2, but a and
+    # b are both seen, so no draw is left to make: w = K = 0.1. Either way w = Z exactly.
     law, expected = awrs_law([0.1, 0.9], {0}, weight_draws=1)
     assert law == {0: pytest.approx(1.0)} and expected == pytest.approx(0.1, rel=1e-12)
     rng = np.random.default_rng(0)
-    after_rejection = [d for d in (awrs_draw([0.1, 0.9], {0}.__contains__, rng, weight_draws=1) for _ in range(200))
-                       if d.rejected]
-    assert after_rejection and all(d.checks == 4 and d.weight == pytest.approx(0.1) for d in after_rejection)
+    draws = [awrs_draw([0.1, 0.9], {0}.__contains__, rng, weight_draws=1) for _ in range(200)]
+    assert any(d.rejected for d in draws) and any(not d.rejected for d in draws)
+    assert all(d.weight == pytest.approx(0.1) and d.checks == 2 for d in draws)  # every token checked once
+
+
+@pytest.mark.parametrize("allowed", [{0}, {1, 4}, {0, 2, 3, 5}, {6}])
+def test_awrs_weight_is_unbiased_given_the_accepted_token(allowed):
+    # random-weight SMC needs E[w | accepted token] = Z, not only E[w] = Z: a weight that leaned towards some
+    # tokens would tilt the particle system's target
+    p = tiny_step_probs()
+    z = sum(p[t] for t in allowed)
+    for draws in (1, 2, 3):
+        _, by_token = awrs_law(p, allowed, weight_draws=draws, given_token=True)
+        assert set(by_token) == allowed
+        for t in allowed:
+            assert by_token[t] == pytest.approx(z, rel=1e-12)
+
+
+def test_awrs_weight_is_never_zero():
+    # the known mass starts at p(accepted token) > 0, so no particle dies of a weight estimate
+    p = tiny_step_probs()
+    rng = np.random.default_rng(1)
+    weights = [awrs_draw(p, {6}.__contains__, rng).weight for _ in range(500)]
+    assert min(weights) >= p[6] * (1 - 1e-12)
 
 
 def test_remaining_draws_from_p_without_the_removed_tokens_exactly():

@@ -1,6 +1,7 @@
 """Correctors converge to p(x | L); masked sampling converges to its own q, not to p(x | L)."""
 import math
 
+import numpy as np
 import pytest
 
 from decodelab.constrained import correctors as K
@@ -135,3 +136,51 @@ def test_corrector_rows_carry_the_floor_at_their_sample_count():
     exact = D.exact_distributions(trie, {"a": [3], "ab": [5]})
     row = K.run_corrector(trie, "rejection", exact.target, [2000], seed=0)[-1]
     assert row["kl_floor"] == K.exact_sampler_floor(exact.target, row["samples"], seed=0)
+
+
+def _run_products(run, runs: int, seed: int) -> dict[str, np.ndarray]:
+    """Z_hat * normalized weight of each string, per independent run: (runs,) arrays, one per string."""
+    rng = np.random.default_rng(seed)
+    out = {"a": np.zeros(runs), "ab": np.zeros(runs)}
+    for r in range(runs):
+        log_zhat, estimate = run(rng)[:2]
+        for s, share in estimate.items():
+            out[s][r] = math.exp(log_zhat) * share
+    return out
+
+
+@pytest.mark.parametrize("method", ["smc", "awrs_smc", "awrs_smc_unpooled"])
+def test_smc_runs_estimate_each_strings_mass_without_bias(method):
+    # SMC's unbiasedness, the property that makes combining runs by Z_hat exact: E[Z_hat * weight share of s] =
+    # p(s) for each s in L (p("a") = 0.15, p("ab") = 0.104), with random AWRS weights as with the mask's exact Z.
+    # Four particles and the default resampling rule, so resampling happens; tolerance: 5 standard errors.
+    from decodelab.constrained.awrs_trie import awrs_smc_run, awrs_tables
+
+    trie = hand_trie_with_forbidden()
+    if method == "smc":
+        tables = K._tables(trie)
+        run = lambda rng: K.smc_run(tables, trie, rng, 4, 0.5)  # noqa: E731
+    else:
+        tables = awrs_tables(trie)
+        run = lambda rng: awrs_smc_run(tables, trie, rng, 4, 0.5, pool=method == "awrs_smc")  # noqa: E731
+    products = _run_products(run, 6000, seed=11)
+    for s, p_s in {"a": 0.15, "ab": 0.104}.items():
+        values = products[s]
+        assert abs(values.mean() - p_s) < 5 * values.std() / math.sqrt(len(values)), (s, values.mean(), p_s)
+
+
+def test_awrs_smc_single_run_law_approaches_the_target_as_particles_grow():
+    # one run's self-normalized estimate is biased at K particles (K = 1: it is masking's q, as a lone particle's
+    # weight normalizes to 1) and the bias falls as K grows: at 32 particles the mean over runs is the target
+    # within 5 standard errors
+    from decodelab.constrained.awrs_trie import awrs_smc_run, awrs_tables
+
+    trie = hand_trie_with_forbidden()
+    exact = D.exact_distributions(trie, {"a": [3], "ab": [5]})
+    tables = awrs_tables(trie)
+    rng = np.random.default_rng(3)
+    for particles, law in ((1, exact.masked), (32, exact.target)):
+        shares = np.array([awrs_smc_run(tables, trie, rng, particles, 0.5)[1].get("a", 0.0)
+                           for _ in range(8000 // particles)])
+        assert abs(shares.mean() - law["a"]) < 5 * shares.std() / math.sqrt(len(shares)) + 1e-12
+    assert abs(exact.masked["a"] - exact.target["a"]) > 0.05  # so the two claims differ

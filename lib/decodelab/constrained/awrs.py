@@ -10,17 +10,25 @@ The accepted token is distributed exactly as the masked-renormalized q(t) = p(t)
 at every round the draw, conditioned on landing in A, is p restricted to A (removing tokens outside A never
 changes the ratios inside it), and the loop ends the first time a draw lands in A.
 
-Weight for SMC (Z is not computed): after acceptance, with R the rejected set and m = p(R), draw u from
-p(. | not in R). Given R (any set of tokens outside A), P(u in A) = Z / (1 - m), so
-w = (1 - m) 1[u in A] has E[w | R] = Z: an unbiased estimate of the mass the mask would keep, independent of
-the accepted token given R. N such draws are averaged (each draw's rejection also grows R for the next, and
-each term is unbiased given the R it was drawn under), which lowers the variance.
+Weight for SMC (Z is not computed): after acceptance of t with R the rejected set, keep drawing *without
+replacement*, from what no draw has touched yet. Before weight draw j let K_j be the known allowed mass (p(t)
+plus every allowed token a weight draw has found so far) and m_j the mass of every token seen (R, t and the
+weight draws); the untouched allowed mass is Z - K_j, so a draw u_j from p(. | untouched) lands in A with
+probability (Z - K_j) / (1 - m_j), and
 
-N = weight_draws + min(|R|, EXTRA_DRAWS_CAP), fixed before any weight draw: the rejections that preceded the
-acceptance say the allowed share Z / (1 - m) is small, and then a fixed N = 2 returns w = 0 most of the time (on
-notebook 04's month_day task, Z ~ 0.005 at two of six steps: 160 of 334 SMC runs lost all 16 particles). N
-depends only on R, so each term is still unbiased given what it was drawn under, and so is their mean.
-This is our derivation of an unbiased weight in AWRS's spirit; it may differ from the paper's estimator.
+    w_j = K_j + (1 - m_j) 1[u_j in A]    has E[w_j | the draws before it] = Z,
+
+given the accepted token too (the allowed tokens other than t are never touched by the acceptance loop, and
+the accepted token's law given R is the masked one). w = the mean of N such terms is unbiased for Z. Once every
+token of positive probability has been seen, K_j = Z exactly and the remaining terms need no draw. Against
+draws with replacement (an allowed token found once could be found again, and p(t) was ignored) the known mass
+only grows, so each term's spread shrinks, and since K_1 = p(t) > 0 the weight is never 0 (with replacement,
+where the allowed share was small most weights were 0 and those particles died).
+
+N = weight_draws + min(|R|, EXTRA_DRAWS_CAP), fixed before any weight draw: rejections before the acceptance say
+the allowed share is small, so more draws are spent finding the rest of A. N depends only on R, so the mean
+stays unbiased. This is our derivation of an unbiased weight in AWRS's spirit (a sampling-without-replacement
+estimate of a sum); it may differ from the paper's estimator.
 
 Draws: the step's CDF is built once (one pass over the vocabulary, like the softmax); a draw from
 p(. | not in R) is then a uniform u on [0, 1 - m) walked past R's intervals and one binary search,
@@ -72,16 +80,23 @@ def awrs_draw(probs: np.ndarray, is_allowed: Callable[[int], bool], rng: np.rand
     if weight_draws == 0:
         return AwrsDraw(token, float("nan"), checks, rejected)
     draws = weight_draws + min(rejected, EXTRA_DRAWS_CAP)  # fixed by R before any weight draw: still unbiased
-    estimate = 0.0
-    for _ in range(draws):
-        mass = left.mass  # 1 - p(R)
+    known = left.p[token]  # allowed mass found so far: K_1 = p(t)
+    left.remove(token)
+    total = 0.0
+    for j in range(draws):
+        if left.exhausted:  # every token seen: K_j = Z exactly, for this term and the ones after it
+            total += known * (draws - j)
+            break
+        mass = left.mass  # 1 - m_j
         u = left.draw(rng)
         checks += 1
         if is_allowed(u):
-            estimate += mass
+            total += known + mass
+            known += left.p[u]
         else:
-            left.remove(u)
-    return AwrsDraw(token, estimate / draws, checks, rejected)
+            total += known
+        left.remove(u)
+    return AwrsDraw(token, total / draws, checks, rejected)
 
 
 class Remaining:
@@ -102,9 +117,19 @@ class Remaining:
         self.starts: list[float] = []  # their intervals' starts and widths, in the same order
         self.widths: list[float] = []
         self.mass = 1.0                # 1 - p(R)
+        self.positive = sum(1 for v in self.p if v > 0)  # tokens that can be drawn at all
+        self.removed_positive = 0
+
+    @property
+    def exhausted(self) -> bool:
+        """Every token of positive probability removed (mass may then be a rounding residue above 0)."""
+        return self.removed_positive >= self.positive
 
     def remove(self, token: int) -> None:
         at = bisect.bisect_left(self.removed, token)
+        if at < len(self.removed) and self.removed[at] == token:
+            return  # already removed
+        self.removed_positive += self.p[token] > 0
         self.removed.insert(at, token)
         self.starts.insert(at, self.cdf[token] - self.p[token])
         self.widths.insert(at, self.p[token])
@@ -125,34 +150,37 @@ class Remaining:
         raise ValueError("every token of positive probability was removed: nothing left to draw")
 
 
-def awrs_law(probs, allowed: set[int], *, weight_draws: int = WEIGHT_DRAWS) -> tuple[dict[int, float], float]:
-    """The exact law of `awrs_draw` by enumerating every rejection sequence (tiny vocabularies only).
+def awrs_law(probs, allowed: set[int], *, weight_draws: int = WEIGHT_DRAWS,
+             given_token: bool = False) -> tuple[dict[int, float], float | dict[int, float]]:
+    """The exact law of `awrs_draw` by enumerating every rejection sequence and weight draw (tiny vocabularies).
 
-    -> ({token: P(accepted = token)}, E[weight]), with N = weight_draws + min(|R|, EXTRA_DRAWS_CAP) weight draws
-    as in `awrs_draw`.
-    Exponential in the number of disallowed tokens: a test oracle for the claims above (accepted law =
-    masked-renormalized, E[weight] = Z)."""
+    -> ({token: P(accepted = token)}, E[weight]); given_token=True gives {token: E[weight | accepted = token]}
+    instead of E[weight] (what SMC needs: the weight unbiased whichever token it comes with). N = weight_draws +
+    min(|R|, EXTRA_DRAWS_CAP) weight draws without replacement, as in `awrs_draw`.
+    Exponential in the vocabulary: a test oracle for the claims above (accepted law = masked-renormalized,
+    E[weight | token] = Z)."""
     p = np.asarray(probs, dtype=np.float64)
     p = p / p.sum()
     law: dict[int, float] = {}
+    weight_sum: dict[int, float] = {}  # sum over paths of P(path) * E[weight | path]
 
-    def weight_mean(removed: frozenset, draws: int) -> float:
+    def terms(seen: frozenset, known: float, draws: int) -> float:
+        """E[sum of the remaining `draws` weight terms] from a state (seen tokens, known allowed mass)."""
         if draws == 0:
             return 0.0
-        mass = 1.0 - sum(p[i] for i in removed)
+        left = [u for u in range(len(p)) if u not in seen and p[u] > 0]
+        if not left:
+            return known * draws
+        mass = 1.0 - sum(p[i] for i in seen)
         out = 0.0
-        for u in range(len(p)):
-            if u in removed or p[u] == 0:
-                continue
+        for u in left:
             share = p[u] / mass
-            out += share * (mass if u in allowed else 0.0) + share * weight_mean(
-                removed if u in allowed else removed | {u}, draws - 1)
+            hit = u in allowed
+            out += share * ((known + mass if hit else known)
+                            + terms(seen | {u}, known + (p[u] if hit else 0.0), draws - 1))
         return out
 
-    expected = 0.0
-
     def walk(removed: frozenset, reach: float) -> None:
-        nonlocal expected
         mass = 1.0 - sum(p[i] for i in removed)
         for t in range(len(p)):
             if t in removed or p[t] == 0:
@@ -162,12 +190,14 @@ def awrs_law(probs, allowed: set[int], *, weight_draws: int = WEIGHT_DRAWS) -> t
                 law[t] = law.get(t, 0.0) + share
                 if weight_draws:
                     draws = weight_draws + min(len(removed), EXTRA_DRAWS_CAP)
-                    expected += share * weight_mean(removed, draws) / draws
+                    weight_sum[t] = weight_sum.get(t, 0.0) + share * terms(removed | {t}, p[t], draws) / draws
             else:
                 walk(removed | {t}, share)
 
     walk(frozenset(), 1.0)
-    return law, expected
+    if given_token:
+        return law, {t: weight_sum.get(t, 0.0) / law[t] for t in law}
+    return law, sum(weight_sum.values())
 
 
 def awrs_pick(logits, matcher, rng: np.random.Generator, *, weight_draws: int = 0) -> AwrsDraw:

@@ -8,9 +8,17 @@ accepted law and the weight's unbiasedness do not depend on how forbidden mass i
 
 - "awrs": `awrs.awrs_draw` at every step, no weights: the masked-renormalized law, so it converges to
   masking's q (not to p(. | L)), at a few grammar checks per token instead of a vocabulary-wide mask.
-- "awrs_smc": K particles propose with AWRS and multiply their weight by the step's unbiased estimate of Z
-  (instead of the exact Z the mask gives SMC); resampling as in `correctors.smc_run`. Unbiased incremental
-  weights keep SMC's estimate consistent for p(. | L) (random-weight / pseudo-marginal SMC).
+- "awrs_smc": K particles propose with AWRS and multiply their weight by an unbiased estimate of Z (instead of
+  the exact Z the mask gives SMC); resampling as in `correctors.smc_run`. Unbiased incremental weights keep
+  SMC's estimate consistent for p(. | L) (random-weight / pseudo-marginal SMC).
+
+Pooling: particles at the same prefix share one next-token distribution, hence one Z, so each of them gets the
+mean of their estimates. Given every particle's token, each estimate has mean Z (`awrs.awrs_law`, given_token)
+and the particles draw independently, so the mean is still unbiased; what it removes is weight noise that is
+pure noise: at the root every particle sits at one node, and with unpooled estimates their weights differed
+by the estimator's spread alone, which lowered the effective sample size and triggered resampling for
+nothing (SMC's exact Z gives them equal weights). On notebook 04's month_day task the root keeps Z < 0.01 in
+two allowed tokens, where one particle's estimate spreads about as much as its mean.
 """
 from __future__ import annotations
 
@@ -63,16 +71,20 @@ def awrs_walk(tables: list[AwrsNode], trie: TokenTrie, rng) -> tuple[str, int, i
 
 
 def awrs_smc_run(tables: list[AwrsNode], trie: TokenTrie, rng, particles: int, ess_threshold: float,
-                 weight_draws: int = WEIGHT_DRAWS):
+                 weight_draws: int = WEIGHT_DRAWS, pool: bool = True):
     """One SMC run with AWRS proposals. -> (log Z_hat, {string: normalized weight}, forward passes, checks).
 
-    A particle whose weight estimate is 0 is dead (log weight -inf); a run whose particles all die returns
-    log Z_hat = -inf and an empty estimate (it then carries no weight when runs are combined)."""
+    pool: each particle's step weight is the mean estimate of the particles at its node (module doc); False
+    gives each its own estimate (kept for the tests of both). `awrs.awrs_draw`'s weights are > 0, so no
+    particle dies; a weight of 0 would still be handled (log weight -inf; a run whose particles all die
+    returns log Z_hat = -inf and an empty estimate, which carries no weight when runs are combined)."""
     nodes = [0] * particles
     done: list[str | None] = [None] * particles
     logw = np.zeros(particles)
     log_zhat, cost, checks = 0.0, 0, 0
     while any(d is None for d in done):
+        estimates: dict[int, list[float]] = {}  # node -> the weight estimates its particles drew this step
+        moved = []
         for k in range(particles):
             if done[k] is not None or logw[k] == -math.inf:
                 continue
@@ -80,12 +92,16 @@ def awrs_smc_run(tables: list[AwrsNode], trie: TokenTrie, rng, particles: int, e
             draw = awrs_draw(t.probs, t.allowed, rng, weight_draws=weight_draws)
             cost += 1
             checks += draw.checks
-            logw[k] += math.log(draw.weight) if draw.weight > 0 else -math.inf
+            estimates.setdefault(nodes[k], []).append(draw.weight)
+            moved.append((k, nodes[k]))
             key = t.keys[draw.token]
             if key == EOS:
                 done[k] = trie.complete[nodes[k]]
             else:
                 nodes[k] = key
+        for k, node in moved:  # pooled: every particle at a node gets the mean of their estimates of its Z
+            pooled = float(np.mean(estimates[node])) if pool else estimates[node].pop(0)
+            logw[k] += math.log(pooled) if pooled > 0 else -math.inf
         if not np.isfinite(logw).any():
             return -math.inf, {}, cost, checks
         alive = [k for k in range(particles) if np.isfinite(logw[k])]

@@ -13,7 +13,8 @@ prefixes (the grammar checks prefixes), so rejection is charged for the tokens i
   prod Z), resample when the effective sample size falls below ess_threshold * K (Lew et al. 2023;
   Loula et al. 2025). ess_threshold = 0 gives plain importance sampling.
 - "awrs" / "awrs_smc": adaptive weighted rejection sampling (Lipkin et al. 2025), per step and as SMC
-  proposals with unbiased weights; see `constrained.awrs` and `constrained.awrs_trie`.
+  proposals with unbiased weights (pooled over the particles at one prefix); see `constrained.awrs` and
+  `constrained.awrs_trie`.
 - "asap": Adaptive Sampling with Approximate expected futures (Park et al. 2024): sample with
   q_k(t | w) ~ p(t | w) EFG_k(w t), where EFG_k(w) approximates p(L | w) from the prefixes seen so far
   (unseen prefixes: 1), and tighten EFG along each sampled path. q_k -> p(. | L) as the trie fills in.
