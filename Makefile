@@ -33,7 +33,7 @@ lint: setup
 	$(PY) -m ruff check lib tests scripts data
 
 test: setup lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not browser" tests

@@ -110,7 +110,7 @@ def test_awrs_pick_on_a_grammar_engine_samples_the_masked_distribution_and_leave
     full = torch.softmax(logits.double(), -1)
     assert 0.1 < float(full[allowed].sum()) < 0.9
     rng = np.random.default_rng(0)
-    n = 4000
+    n = 1000  # each pick builds the 49k-token CDF once; 5 sigma at 1000 picks still separates masked from unmasked
     picks = [awrs_pick(logits, matcher, rng) for _ in range(n)]
     counts = np.bincount([d.token for d in picks], minlength=engine.vocab_size)
     assert set(np.flatnonzero(counts)) <= set(allowed)
