@@ -187,9 +187,12 @@ class Transformer(torch.nn.Module):
         returned in fp32 so softmax, log-probs and samplers work in fp32."""
         return self.linear(self.lm_head, hidden).float()
 
-    def hidden_states(self, tokens: torch.Tensor, cache: AttentionCache, *, layers=None) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, cache: AttentionCache, *, layers=None,
+                      capture_layers=None) -> torch.Tensor:
         """Run the decoder stack (or the `layers` subset) on tokens: (B, T) -> final-normed (B, T, E).
 
+        capture_layers: layer indices whose output residual stream (un-normed) is returned too, side by side
+        after the final-normed state: (B, T, E (1 + len(capture_layers))) (an EAGLE-3 drafter's features).
         Writes the tokens' keys/values into `cache` but leaves its lengths alone (`forward` advances them)."""
         positions = cache.positions(tokens.shape[1])
         plan = cache.begin_forward(positions, group=self.n_heads // self.n_kv_heads)  # once per forward
@@ -197,33 +200,67 @@ class Transformer(torch.nn.Module):
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
         layer_ids = range(self.n_layers) if layers is None else layers
+        captured = {}
         for slot, index in enumerate(layer_ids):
             layer = self.layers[index]
             x = x + self._attention(layer, slot, layer.input_layernorm(x), cos, sin, cache, plan)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
-        return self.final_norm(x)
+            if capture_layers is not None and index in capture_layers:
+                captured[index] = x
+        if capture_layers is None:
+            return self.final_norm(x)
+        missing = [i for i in capture_layers if i not in captured]
+        if missing:
+            raise ValueError(f"capture_layers={tuple(capture_layers)!r}: layers {missing} are not run by this forward "
+                             f"(layers={layers!r}; allowed: indices of the layers it runs)")
+        return torch.cat([self.final_norm(x)] + [captured[i] for i in capture_layers], dim=-1)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: AttentionCache, *, n_new: torch.Tensor | None = None, layers=None,
-                logits_at: str = "all", return_hidden: bool = False):
+                logits_at: str = "all", return_hidden: bool = False, capture_layers=None):
         """Append `tokens` to each row of `cache` and return logits.
 
         tokens: (B, T) long; n_new: (B,) valid tokens per row (default T; right padding past it is scratch).
         logits_at: "all" -> (B, T, V); "last" -> each row's last valid token (B, V); "none" -> None.
         With return_hidden, returns (logits, hidden) where hidden (B, T, E) feeds the LM head.
+        capture_layers (with return_hidden): hidden is (B, T, E (1 + n)), the final-normed state first, then the
+        residual stream after each of these layers (`hidden_states`); the logits are the same either way.
         """
         batch, n_tokens = tokens.shape
         if n_new is None:
             n_new = torch.full((batch,), n_tokens, dtype=torch.long, device=tokens.device)
-        hidden = self.hidden_states(tokens, cache, layers=layers)
+        hidden = self.hidden_states(tokens, cache, layers=layers, capture_layers=capture_layers)
         cache.advance(n_new)
-        if logits_at == "all":
-            logits = self.unembed(hidden)
-        elif logits_at == "last":
-            last = hidden[torch.arange(batch, device=hidden.device), n_new - 1]
-            logits = self.unembed(last)
-        elif logits_at == "none":
-            logits = None
-        else:
-            raise ValueError(f"logits_at={logits_at!r} must be 'all', 'last' or 'none'")
+        final = hidden if capture_layers is None else hidden[..., :self.hidden_size]
+        logits = self.forward_logits(final, n_new, logits_at)
         return (logits, hidden) if return_hidden else logits
+
+    def forward_logits(self, hidden: torch.Tensor, n_new: torch.Tensor, logits_at: str):
+        """`forward`'s logits of final-normed hidden (B, T, E): "all" (B, T, V), "last" (B, V), "none" None."""
+        if logits_at == "all":
+            return self.unembed(hidden)
+        if logits_at == "last":
+            return self.unembed(hidden[torch.arange(hidden.shape[0], device=hidden.device), n_new - 1])
+        if logits_at == "none":
+            return None
+        raise ValueError(f"logits_at={logits_at!r} must be 'all', 'last' or 'none'")
+
+
+class CapturingTransformer(Transformer):
+    """The target for a fused (EAGLE-3-style) module: whenever the loop asks for hidden states it gets
+    (B, T, D (1 + n)), the final-normed state first, then the residual stream after each of `capture_layers`
+    (`Transformer.forward(capture_layers=...)`); logits, cache and tokens are the plain Transformer's, and
+    the speculative loop carries the wider states to the drafter unchanged (it only slices rows and positions)."""
+
+    def __init__(self, hf_model, capture_layers: tuple[int, ...], **options):
+        super().__init__(hf_model, **options)
+        self.capture_layers = tuple(capture_layers)
+
+    def forward(self, tokens, cache, *, return_hidden: bool = False, capture_layers=None, **kwargs):
+        if return_hidden and capture_layers is None:
+            capture_layers = self.capture_layers
+        return super().forward(tokens, cache, return_hidden=return_hidden, capture_layers=capture_layers, **kwargs)
+
+    def unembed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., E) or the wide (..., E (1 + n)) states -> logits (..., V) of the final-normed part."""
+        return super().unembed(hidden[..., :self.hidden_size])

@@ -14,8 +14,9 @@ target itself (FastMTP's self-distillation). Three kinds of sequence, all from s
 The frozen trunk runs once over every block: its final-normed hidden states (N, T, D) and the top-k of its
 next-token distribution at each position (ids (N, T, K), log-probs (N, T, K)) are cached together with the
 tokens, keyed by a content hash of (model, data config, corpus hash, tokenizer), so training only runs the
-module and the frozen LM head. The teacher of the module at position i (it predicts t_{i+2}) is the target's
-distribution at position i + 1.
+module and the frozen LM head (a fused module's extra inputs, the residual streams after a few trunk layers,
+are cached beside the set per layer choice: `with_features`). The teacher of the module at position i (it
+predicts t_{i+2}) is the target's distribution at position i + 1.
 """
 from __future__ import annotations
 
@@ -257,14 +258,61 @@ def trunk_targets(hf_model, blocks: torch.Tensor, top_k: int, *, batch_size: int
     return {"hidden": torch.cat(hidden), "top_ids": torch.cat(ids), "top_logp": torch.cat(logp)}
 
 
+@torch.no_grad()
+def trunk_features(hf_model, blocks: torch.Tensor, layers: tuple[int, ...], *, batch_size: int = 4,
+                   progress: bool = False) -> torch.Tensor:
+    """The frozen model's residual stream after each of `layers` (0-based decoder layers, before any norm):
+    blocks (N, T) -> (N, T, len(layers) D) bf16, the layers side by side (a fused module's extra input)."""
+    device = next(hf_model.parameters()).device
+    chunks = range(0, len(blocks), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        chunks = tqdm(chunks, desc="frozen model features", leave=False)
+    out = []
+    for i in chunks:
+        states = hf_model.model(input_ids=blocks[i:i + batch_size].to(device), output_hidden_states=True).hidden_states
+        out.append(torch.cat([states[j + 1].to(torch.bfloat16) for j in layers], dim=-1).cpu())  # [0] = embeddings
+    return torch.cat(out)
+
+
+def with_features(dataset: dict, loaded, layers: tuple[int, ...], root: Path, *, progress: bool = False) -> dict:
+    """dataset plus "features" (N, T, len(layers) D), cached beside the set as <hash>.features_<layers>.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    if not layers:
+        return dataset
+    path = root / f"{dataset['hash']}.features_{'_'.join(map(str, layers))}.safetensors"
+    if path.exists():
+        return {**dataset, "features": load_file(str(path))["features"]}
+    features = trunk_features(loaded.hf_model, dataset["tokens"], tuple(layers), progress=progress)
+    tmp = path.with_suffix(".tmp")
+    save_file({"features": features}, str(tmp))
+    tmp.replace(path)
+    return {**dataset, "features": features}
+
+
 def build_distill_set(loaded, corpus, data: DistillData, *, cache_dir: str | Path | None = None,
-                      progress: bool = False) -> dict:
+                      progress: bool = False, feature_layers: tuple[int, ...] = ()) -> dict:
     """Tokens, cached trunk states and teacher top-k for the retrofit (loaded from the cache when present).
 
     loaded: the frozen `decodelab.core.models.LoadedModel`; corpus: `decodelab.mtp.data.load_corpus()`.
+    feature_layers: also the trunk's states after these layers ("features", see `trunk_features`).
     -> {"tokens" (N, T), "mask" (N, T) bool (real tokens, not padding), "hidden", "top_ids", "top_logp",
         "hash", "kinds": sequences per kind}.
     """
+    root = Path(cache_dir) if cache_dir is not None else None
+    dataset = build_core_set(loaded, corpus, data, cache_dir=root, progress=progress)
+    if not feature_layers:
+        return dataset
+    from decodelab.mtp.data import cache_root
+
+    return with_features(dataset, loaded, tuple(feature_layers), root or cache_root() / "distill", progress=progress)
+
+
+def build_core_set(loaded, corpus, data: DistillData, *, cache_dir: str | Path | None = None,
+                   progress: bool = False) -> dict:
+    """`build_distill_set` without features."""
     from safetensors.torch import load_file, save_file
 
     from decodelab.mtp.data import cache_root

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from decodelab.core.transformer import head_dim_of
+from decodelab.core.transformer import CapturingTransformer, Transformer, head_dim_of
 from decodelab.mtp.model import MTPModel, decoder_layer
 
 
@@ -78,12 +78,13 @@ class MTPDrafter:
         cos, sin = cos[:, None].to(hidden.dtype), sin[:, None].to(hidden.dtype)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         last = (n_new - 1).clamp_min(0)
+        hidden, features = self._split(hidden)
         states = []
         for slot, module in enumerate(model.heads):
             if model.config.style == "gloeckle":
                 x, layer = hidden, module
-            else:  # depth-1 module: [RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]
-                x, layer = module.combine(hidden, model.trunk.model.embed_tokens(next_tokens)), module.block
+            else:  # depth-1 module: [RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))] (h_i fused with features, if any)
+                x, layer = module.combine(hidden, model.trunk.model.embed_tokens(next_tokens), features), module.block
             out = layer_step(layer, x, cos, sin, cache, slot, plan, model.trunk.config)
             states.append(out[rows, last])
         cache.advance(n_new)
@@ -130,6 +131,20 @@ class MTPDrafter:
             lengths = torch.full((tokens.shape[0],), n_real, dtype=torch.long, device=tokens.device)
         return DraftProposal(tokens=tokens, probs=probs, lengths=lengths)
 
+    def _split(self, hidden: torch.Tensor):
+        """The loop's states (B, T, D) or, for a fused module, (B, T, D (1 + n)) -> (final (B, T, D), features
+        (B, T, n D) or None)."""
+        layers = self.model.config.feature_layers
+        d = self.model.trunk.config.hidden_size
+        if not layers:
+            return hidden, None
+        if hidden.shape[-1] != d * (1 + len(layers)):
+            raise ValueError(f"this module fuses trunk layers {layers} (EAGLE-3), so it needs states of width "
+                             f"{d * (1 + len(layers))} (final + captured layers); the loop gave width "
+                             f"{hidden.shape[-1]}: "
+                             "verify with drafter.target() (a CapturingTransformer), not the plain Transformer")
+        return hidden[..., :d], hidden[..., d:]
+
     def _pick(self, logits: torch.Tensor, ctx):
         """logits (B, V) -> (token (B,), probs (B, V) or None): greedy, or the loop's sampler."""
         if ctx.sampler is None:
@@ -165,9 +180,10 @@ class MTPDrafter:
         return out.to(self.model.device)
 
     def target(self):
-        """The trunk as the engine's `Transformer`: the model these heads draft for."""
-        from decodelab.core.transformer import Transformer
-
+        """The trunk as the engine's `Transformer`: the model these heads draft for (a `CapturingTransformer`
+        for a fused module, so the loop hands it the layers it reads)."""
+        if self.model.config.feature_layers:
+            return CapturingTransformer(self.model.trunk, self.model.config.feature_layers)
         return Transformer.from_hf(self.model.trunk)
 
     def rollback(self, n_accepted: torch.Tensor) -> None:

@@ -44,8 +44,16 @@ class MTPConfig:
     style: str = "gloeckle"
     n_heads: int = 1  # 1 = plain next-token model
     mtp_weight: float | None = None  # loss weight of the extra heads; None -> 1.0 (gloeckle) / 0.3 (deepseek)
+    # deepseek only: trunk layers (0-based, residual stream after the layer) fused with the final state into the
+    # module's input, EAGLE-3 style; () = the final state alone
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        self.feature_layers = tuple(self.feature_layers)  # JSON gives a list
+        if self.feature_layers and self.style != "deepseek":
+            raise ValueError(f"feature_layers={self.feature_layers!r} needs mtp_style='deepseek' (got {self.style!r})")
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.feature_layers):
+            raise ValueError(f"feature_layers={self.feature_layers!r} must be trunk layer indices >= 0")
         if self.style not in STYLES:
             raise ValueError(f"mtp_style={self.style!r} must be one of {STYLES}")
         if not isinstance(self.n_heads, int) or self.n_heads < 1:
@@ -62,7 +70,7 @@ class MTPConfig:
         return [1.0] + [lam / extra] * extra if extra else [1.0]
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "feature_layers": list(self.feature_layers)}
 
 
 def config_name(style: str, n_heads: int) -> str:
@@ -137,9 +145,12 @@ def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 
 class DeepSeekModule(nn.Module):
-    """One sequential MTP module: Block(W [RMSNorm(s); RMSNorm(emb)]): (B, T, D), (B, T, D) -> (B, T, D)."""
+    """One sequential MTP module: Block(W [RMSNorm(s); RMSNorm(emb)]): (B, T, D), (B, T, D) -> (B, T, D).
 
-    def __init__(self, config, layer_idx: int):
+    n_features > 0 (EAGLE-3's fused input): s = F [RMSNorm(f_1); ...; RMSNorm(f_n); h], the trunk's
+    intermediate states f_1..f_n (B, T, n D) fused with its final state h (`fuse`)."""
+
+    def __init__(self, config, layer_idx: int, n_features: int = 0):
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
         super().__init__()
@@ -148,8 +159,23 @@ class DeepSeekModule(nn.Module):
         self.norm_embed = LlamaRMSNorm(d, eps=config.rms_norm_eps)
         self.proj = nn.Linear(2 * d, d, bias=False)
         self.block = LlamaDecoderLayer(config, layer_idx)
+        self.n_features = n_features
+        if n_features:
+            # the residual streams below the final norm have very different scales per layer: normalize each
+            self.norm_features = nn.ModuleList(LlamaRMSNorm(d, eps=config.rms_norm_eps) for _ in range(n_features))
+            self.fuse = nn.Linear((n_features + 1) * d, d, bias=False)
 
-    def combine(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+    def fused(self, state: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """state (B, T, D), features (B, T, n D) or None -> the module's state input (B, T, D). None (a drafted
+        position, where the trunk has not run): the state alone, as EAGLE-3 feeds its own output back."""
+        if not self.n_features or features is None:
+            return state
+        parts = features.split(state.shape[-1], dim=-1)
+        return self.fuse(torch.cat([norm(f) for norm, f in zip(self.norm_features, parts)] + [state], dim=-1))
+
+    def combine(self, state: torch.Tensor, embedded: torch.Tensor,
+                features: torch.Tensor | None = None) -> torch.Tensor:
+        state = self.fused(state, features)
         return self.proj(torch.cat([self.norm_state(state), self.norm_embed(embedded)], dim=-1))
 
 
@@ -177,7 +203,8 @@ class MTPModel(nn.Module):
             if config.style == "gloeckle":
                 heads = [LlamaDecoderLayer(tc, tc.num_hidden_layers + j) for j in range(config.n_heads - 1)]
             else:
-                heads = [DeepSeekModule(tc, tc.num_hidden_layers + j) for j in range(config.n_heads - 1)]
+                heads = [DeepSeekModule(tc, tc.num_hidden_layers + j, len(config.feature_layers))
+                         for j in range(config.n_heads - 1)]
         self.heads = nn.ModuleList(heads).to(device=trunk.device, dtype=trunk.dtype)
         if frozen_trunk if identity_init is None else identity_init:
             self._identity_init()
@@ -194,6 +221,9 @@ class MTPModel(nn.Module):
                 d = module.proj.weight.shape[0]
                 module.proj.weight.zero_()
                 module.proj.weight[:, :d].copy_(torch.eye(d))
+                if module.n_features:  # F = [0, ..., 0, I]: the fused state starts as the final state alone
+                    module.fuse.weight.zero_()
+                    module.fuse.weight[:, -d:].copy_(torch.eye(d))
 
     @property
     def n_heads(self) -> int:
@@ -225,11 +255,13 @@ class MTPModel(nn.Module):
             return self.trunk.lm_head(state)
         return self.trunk.lm_head(self.trunk.model.norm(state))
 
-    def head_state(self, j: int, source: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def head_state(self, j: int, source: torch.Tensor, tokens: torch.Tensor,
+                   features: torch.Tensor | None = None) -> torch.Tensor:
         """Head j >= 2's state before unembedding.
 
         gloeckle: source = h (B, T, D) -> Layer_j(h) (B, T, D).
-        deepseek: source = s^{j-2} (B, T-j+2, D) -> s^{j-1} (B, T-j+1, D), reading Emb(t_{i+j-1}).
+        deepseek: source = s^{j-2} (B, T-j+2, D) -> s^{j-1} (B, T-j+1, D), reading Emb(t_{i+j-1});
+        features (B, T, n D): the trunk's `feature_layers` states (module 1 of a fused config only).
         """
         module = self.heads[j - 2]
         if self.config.style == "gloeckle":
@@ -238,7 +270,7 @@ class MTPModel(nn.Module):
         k = j - 1  # module depth
         length = tokens.shape[1] - k
         embedded = self.trunk.model.embed_tokens(tokens[:, k:k + length])
-        x = module.combine(source[:, :length], embedded)
+        x = module.combine(source[:, :length], embedded, None if features is None else features[:, :length])
         cos, sin = self.rope(x)
         return layer_forward(module.block, x, cos, sin, self.trunk.config)
 

@@ -6,7 +6,12 @@ position i (`distill_loss`):
 
     "kl": KL(p_target(. | t_<=i+1) || q_module(. | h_i, t_{i+1})), p over the teacher's top-k (renormalized),
           the teacher being the frozen model one position later (cached by `decodelab.mtp.distill`);
-    "ce": cross-entropy on the text's own token t_{i+2} (the plain-label ablation).
+    "ce": cross-entropy on the text's own token t_{i+2} (the plain-label ablation);
+    + feature_weight * SmoothL1(FinalNorm(s_i), h_{i+1}) when feature_weight > 0 (EAGLE-1/2's feature regression:
+          the module's state against the trunk's own state one position later).
+
+With `feature_layers` the module's state input is EAGLE-3's fused feature: the trunk's residual streams after
+those layers, each RMS-normed, concatenated with h_i and projected to the width (`DeepSeekModule.fused`).
 
 Only a random `loss_fraction` of positions is scored per step (the 49k-token LM head's forward and backward
 dominate the cost; the module itself runs over every position, so attention sees the whole block).
@@ -32,6 +37,9 @@ from decodelab.mtp.distill import DistillData
 from decodelab.mtp.model import MTPConfig, MTPModel
 
 LOSSES = ("kl", "ce")
+# RetrofitSpec fields added after format 2, with the value every spec had before them: a record without one
+# means this value, and `as_dict` leaves it out, so records and hashes written before them still match
+ADDED_FIELDS = {"feature_layers": [], "feature_weight": 0.0}
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,10 @@ class RetrofitSpec:
     seed: int = 0
     val_blocks: int = 8  # the distillation set's last blocks, never trained on: the record's held-out agreement
     init_layer: int | None = None  # trunk layer the module's block starts as a copy of (-1: the last); None: identity
+    feature_layers: tuple[int, ...] = ()  # trunk layers fused into the module's input (EAGLE-3); () = final state only
+    # weight of the smooth-L1 regression of the trunk's next state (EAGLE-1); 0 = none. 3.0: the best of the A/B at
+    # 0 / 1 / 3 (live code-edit acceptance, notebook 03 5b's measure): it mostly helps the chained drafts 2..k
+    feature_weight: float = 3.0
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -61,6 +73,11 @@ class RetrofitSpec:
             raise ValueError(f"loss_fraction={self.loss_fraction!r} must be in (0, 1]")
         if self.init_layer is not None and (isinstance(self.init_layer, bool) or not isinstance(self.init_layer, int)):
             raise ValueError(f"init_layer={self.init_layer!r} must be an int (a trunk layer index, -1 = last) or None")
+        object.__setattr__(self, "feature_layers", tuple(self.feature_layers))  # JSON gives a list
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.feature_layers):
+            raise ValueError(f"feature_layers={self.feature_layers!r} must be trunk layer indices >= 0")
+        if not self.feature_weight >= 0:
+            raise ValueError(f"feature_weight={self.feature_weight!r} must be >= 0")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if isinstance(self.val_blocks, bool) or not isinstance(self.val_blocks, int) or \
@@ -68,11 +85,15 @@ class RetrofitSpec:
             raise ValueError(f"val_blocks={self.val_blocks!r} must be an int in [0, n_blocks={self.data.n_blocks})")
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "data": self.data.as_dict()}
+        out = {**asdict(self), "data": self.data.as_dict(), "feature_layers": list(self.feature_layers)}
+        for name in ADDED_FIELDS:
+            if out[name] == ADDED_FIELDS[name]:
+                del out[name]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "RetrofitSpec":
-        return cls(**{**d, "data": DistillData(**d["data"])})
+        return cls(**{**ADDED_FIELDS, **d, "data": DistillData(**d["data"])})  # absent: as before the field
 
 
 def spec_hash(spec: RetrofitSpec, model_name: str, corpus_hash: str) -> str:
@@ -107,21 +128,32 @@ def scored_positions(step: int, valid: torch.Tensor, spec: RetrofitSpec) -> torc
 
 
 def distill_loss(model: MTPModel, tokens: torch.Tensor, hidden: torch.Tensor, top_ids: torch.Tensor,
-                 top_logp: torch.Tensor, scored: torch.Tensor, loss: str = "kl") -> torch.Tensor:
+                 top_logp: torch.Tensor, scored: torch.Tensor, loss: str = "kl", *,
+                 features: torch.Tensor | None = None, feature_weight: float = 0.0) -> torch.Tensor:
     """Mean loss of module 1 over the scored positions.
 
     tokens (B, T); hidden (B, T, D) the frozen final-normed states; top_ids / top_logp (B, T, K) the frozen
     model's next-token top-k at each position; scored (B, T-1) bool over module positions i = 0..T-2
     (position i predicts t_{i+2}; for "ce" the last position has no label and must not be scored).
+    features (B, T, n D): the trunk's intermediate states, for a fused module (`MTPConfig.feature_layers`).
+    feature_weight w adds EAGLE's feature regression: w * SmoothL1(FinalNorm(s_i), h_{i+1}), the module's state
+    against the state the trunk itself reaches one position later (the one its LM head turns into t_{i+2}).
     """
-    state = model.head_state(2, hidden.to(model.trunk.dtype), tokens)  # (B, T-1, D)
+    dtype = model.trunk.dtype
+    state = model.head_state(2, hidden.to(dtype), tokens,
+                             None if features is None else features.to(dtype))  # (B, T-1, D)
     rows, cols = scored.nonzero(as_tuple=True)
-    logq = torch.log_softmax(model.unembed(state[rows, cols], 2).float(), -1)  # (P, V)
+    normed = model.trunk.model.norm(state[rows, cols])  # (P, D): the LM head's input
+    logq = torch.log_softmax(model.trunk.lm_head(normed).float(), -1)  # (P, V)
     if loss == "ce":
-        return F.nll_loss(logq, tokens[rows, cols + 2])
-    p_logp = torch.log_softmax(top_logp[rows, cols + 1].float(), -1)  # teacher renormalized over its top-k
-    q_logp = logq.gather(-1, top_ids[rows, cols + 1].long())
-    return (p_logp.exp() * (p_logp - q_logp)).sum(-1).mean()
+        out = F.nll_loss(logq, tokens[rows, cols + 2])
+    else:
+        p_logp = torch.log_softmax(top_logp[rows, cols + 1].float(), -1)  # teacher renormalized over its top-k
+        q_logp = logq.gather(-1, top_ids[rows, cols + 1].long())
+        out = (p_logp.exp() * (p_logp - q_logp)).sum(-1).mean()
+    if feature_weight:
+        out = out + feature_weight * F.smooth_l1_loss(normed.float(), hidden[rows, cols + 1].float())
+    return out
 
 
 def valid_positions(mask: torch.Tensor, loss: str) -> torch.Tensor:
@@ -133,11 +165,15 @@ def valid_positions(mask: torch.Tensor, loss: str) -> torch.Tensor:
     return valid
 
 
-def new_module_model(trunk, seed: int, init_layer: int | None = None) -> MTPModel:
+def new_module_model(trunk, seed: int, init_layer: int | None = None, feature_layers=()) -> MTPModel:
     """The frozen trunk plus one DeepSeek module. init_layer None: identity-initialized (Medusa-style start: the
     model's own guess); an int: the block starts as a copy of that trunk layer (a trained layer, not noise), the
     combine projection still W = [I, 0], so the module first reads the state alone, as the layer it copies did."""
-    model = MTPModel(trunk, MTPConfig(style="deepseek", n_heads=2), frozen_trunk=True, seed=seed)
+    n_layers = len(trunk.model.layers)
+    if any(i >= n_layers for i in feature_layers):
+        raise ValueError(f"feature_layers={tuple(feature_layers)!r} must be < {n_layers} for this trunk")
+    model = MTPModel(trunk, MTPConfig(style="deepseek", n_heads=2, feature_layers=tuple(feature_layers)),
+                     frozen_trunk=True, seed=seed)
     if init_layer is not None:
         layers = trunk.model.layers
         if not -len(layers) <= init_layer < len(layers):
@@ -192,9 +228,11 @@ def train_retrofit(model: MTPModel, dataset: dict, spec: RetrofitSpec, *, run_di
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, spec)
         optimizer.zero_grad(set_to_none=True)
+        features = dataset["features"][rows].to(model.device) if spec.feature_layers else None
         loss = distill_loss(model, tokens[rows].to(model.device), dataset["hidden"][rows].to(model.device),
                             dataset["top_ids"][rows].to(model.device), dataset["top_logp"][rows].to(model.device),
-                            scored.to(model.device), spec.loss)
+                            scored.to(model.device), spec.loss, features=features,
+                            feature_weight=spec.feature_weight)
         loss.backward()
         if spec.grad_clip:
             torch.nn.utils.clip_grad_norm_(params, spec.grad_clip)
@@ -231,7 +269,9 @@ def module_agreement(model: MTPModel, dataset: dict, *, batch_size: int = 4) -> 
     for start in range(0, len(dataset["tokens"]), batch_size):
         sl = slice(start, start + batch_size)
         tokens, valid = dataset["tokens"][sl].to(model.device), valid_positions(dataset["mask"][sl], "kl")
-        state = model.head_state(2, dataset["hidden"][sl].to(model.device, model.trunk.dtype), tokens)
+        features = dataset.get("features")
+        features = None if features is None else features[sl].to(model.device, model.trunk.dtype)
+        state = model.head_state(2, dataset["hidden"][sl].to(model.device, model.trunk.dtype), tokens, features)
         logits = model.unembed(state, 2).float()  # (B, T-1, V)
         teacher_top1 = dataset["top_ids"][sl][:, 1:, 0].long().to(model.device)
         hit = (logits.argmax(-1) == teacher_top1) & valid.to(model.device)

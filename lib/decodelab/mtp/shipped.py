@@ -110,9 +110,10 @@ def train_checkpoint(spec: RetrofitSpec, *, model_name: str = "smollm2-135m", ou
         return _copy_checkpoint(cached, out)
     loaded = loaded or load_model(model_name, dtype=torch.float32)
     began = time.perf_counter()
-    dataset = build_distill_set(loaded, corpus, spec.data, cache_dir=root / "data", progress=progress)
+    dataset = build_distill_set(loaded, corpus, spec.data, cache_dir=root / "data", progress=progress,
+                                feature_layers=spec.feature_layers)
     data_s = time.perf_counter() - began
-    model = new_module_model(loaded.hf_model, spec.seed, spec.init_layer)
+    model = new_module_model(loaded.hf_model, spec.seed, spec.init_layer, spec.feature_layers)
     result = train_retrofit(model, dataset, spec, run_dir=run_dir, save_every=save_every, stop_after=stop_after,
                             progress=progress)
     if result["steps_done"] < spec.steps:
@@ -191,6 +192,11 @@ def parse_args(argv: list[str]):
                    help="code-edit requests answered by the model's own greedy continuation")
     p.add_argument("--init-layer", type=lambda v: None if v == "none" else int(v), default=defaults.init_layer,
                    help="trunk layer the module's block starts as a copy of (-1: the last; 'none': identity init)")
+    p.add_argument("--feature-layers", type=lambda v: tuple(int(x) for x in v.split(",") if x),
+                   default=defaults.feature_layers,
+                   help="comma-separated trunk layers fused into the module's input (EAGLE-3); '' = final state only")
+    p.add_argument("--feature-weight", type=float, default=defaults.feature_weight,
+                   help="weight of the smooth-L1 regression of the trunk's next state (0 = none)")
     p.add_argument("--save-every", type=int, default=20, help="steps between resumable checkpoints")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (resume later)")
     p.add_argument("--cache-dir", default=None, help="where runs and distillation sets are cached")
@@ -203,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                        code_gen_prompts=args.code_gen_prompts)
     spec = RetrofitSpec(data=data, loss=args.loss, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                         warmup=max(1, min(RetrofitSpec.warmup, args.steps // 10)), loss_fraction=args.loss_fraction,
-                        seed=args.seed, init_layer=args.init_layer)
+                        seed=args.seed, init_layer=args.init_layer, feature_layers=args.feature_layers,
+                        feature_weight=args.feature_weight)
     command = "decodelab train-mtp " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     out = train_checkpoint(spec, model_name=args.model, out=args.out, cache_dir=args.cache_dir,
                            save_every=args.save_every, stop_after=args.stop_after, command=command.strip())
