@@ -16,9 +16,9 @@ summation order of the longer (masked) reduction. The tests check greedy tokens 
 `StaticStep(tr, compile=True)` compiles the step with inductor (`mode` as torch.compile's, e.g.
 "reduce-overhead" for CUDA graphs on a GPU) region by region: the two halves of one decoder layer
 (`layer_qkv`, `layer_out`) are compiled once and serve every layer, since all layers share their shapes.
-Compiling the whole 30-layer step as one graph took minutes on 2 CPU cores; one layer takes seconds. Where compiling fails (no C++
-compiler, an unsupported backend) it warns once and runs the same static step eagerly; `status()`
-says which path ran and why, for the run's env.json.
+Compiling the whole step as one graph took minutes on 2 CPU cores; one layer takes seconds. Where
+compiling fails (no C++ compiler, an unsupported backend) it warns once and runs the same static step
+eagerly; `status()` says which path ran and why, for the run's env.json.
 """
 from __future__ import annotations
 
