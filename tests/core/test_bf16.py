@@ -30,7 +30,7 @@ def test_bf16_model_packs_its_linears_and_returns_fp32_logits(tiny_bf16):
 
 @needs_bf16
 def test_packed_forward_is_bit_identical_to_the_unpacked_modules(tiny_bf16):
-    plain = Transformer(tiny_bf16.hf_model, pack_bf16=False)
+    plain = Transformer(tiny_bf16.hf_model, pack_linears=False)
     assert not plain.linear.enabled
     _, packed_logits = prefill(tiny_bf16, PROMPTS, max_new_tokens=1)
     _, plain_logits = prefill(plain, PROMPTS, max_new_tokens=1)
@@ -58,8 +58,8 @@ def test_packed_weights_follow_in_place_weight_updates():
     assert torch.equal(after, layer(x).detach()) and not torch.equal(before, after)
 
 
-def test_fp32_models_do_not_pack():
-    assert not tiny_model(seed=0).transformer.linear.enabled
+def test_fp32_cpu_models_pack_their_linears_too():
+    assert tiny_model(seed=0).transformer.linear.enabled
 
 
 @needs_bf16

@@ -1,43 +1,61 @@
-"""bf16 linear layers on CPU through oneDNN with weights packed once, instead of on every call.
+"""Linear layers on CPU through oneDNN with weights packed once, instead of PyTorch's default path.
 
-Why: `F.linear` on a bf16 CPU tensor hands oneDNN the weight in PyTorch's plain (N, K) layout, and oneDNN
-reorders it into its blocked layout on every call; at decode shapes (a few rows, K = hidden size) that
-reorder reads and writes the whole weight again, so bf16 paid more than it saved and decoded at ~1.3x
-fp32 although a bf16 matrix-vector product moves half the bytes. Packing each weight once
-(`mkldnn._reorder_linear_weight`) and calling `mkldnn._linear_pointwise` runs the same oneDNN kernel
-(fp32 accumulation, output rounded to bf16) on the blocked copy: the outputs are bit-identical to
+Why, in bf16: `F.linear` on a bf16 CPU tensor hands oneDNN the weight in PyTorch's plain (N, K) layout,
+and oneDNN reorders it into its blocked layout on every call; at decode shapes (a few rows, K = hidden
+size) that reorder reads and writes the whole weight again, so bf16 paid more than it saved. Packing each
+weight once (`mkldnn._reorder_linear_weight`) and calling `mkldnn._linear_pointwise` runs the same oneDNN
+kernel (fp32 accumulation, output rounded to bf16) on the blocked copy: the outputs are bit-identical to
 `F.linear` (tested), so greedy tokens still equal transformers' own bf16 forward.
+
+Why, in fp32: there `F.linear` goes to the BLAS (MKL), whose decode-shape paths are slow on this CPU
+(measured quiet, x (M, 576) times the (49152, 576) LM head: MKL 10.4 / 17.8 / 23.0 / 50.2 ms at
+M = 1 / 4 / 16 / 64, the packed oneDNN call 5.2 / 4.8 / 8.1 / 20.2 ms; the decoder layers' matrices gain
+1.2-2x at M = 2-200). The packed fp32 product is not bit-identical to MKL's (another summation order, errors
+of the same fp32 size), so fp32 greedy equality with transformers is checked end to end (tests), not
+inherited. A row's result does not depend on how many rows share the call for K = 576 (checked at
+M = 1..200), which MKL's does.
 
 A packed copy is derived data: it is rebuilt when the weight tensor changed (its version counter or its
 storage), so in-place updates (training, `_identity_init`) are never served stale. Gradients never flow
-through the packed path (it is only used under no_grad, for bf16 inputs on CPU).
+through the packed path (it is only used under no_grad). The copy doubles the resident weights.
 """
 from __future__ import annotations
 
 import torch
 
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
-def bf16_packing_available(device: torch.device) -> bool:
-    """Whether this machine runs oneDNN bf16 linear layers on `device` (CPU with AVX512-BF16 / AMX)."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+
+def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this machine runs oneDNN linear layers on `device` in `dtype` (CPU; bf16 needs AVX512-BF16 / AMX)."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return False
+    if dtype == torch.float32:
+        return True
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
 
+def bf16_packing_available(device: torch.device) -> bool:
+    """Whether this machine runs oneDNN bf16 linear layers on `device` (CPU with AVX512-BF16 / AMX)."""
+    return packing_available(device, torch.bfloat16)
+
+
 class PackedLinears:
-    """Per `nn.Linear` module: its oneDNN-packed bf16 weight, packed on first use and re-packed on change."""
+    """Per `nn.Linear` module: its oneDNN-packed weight, packed on first use and re-packed on change."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self._packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
 
     def __call__(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) -> module(x) (..., N), bit-identical to it; packed when enabled and x is bf16 without grad."""
+        """x (..., K) -> module(x) (..., N): through the packed weight when enabled, x is a CPU fp32/bf16 tensor
+        of the weight's dtype and no gradient is recorded; else the module itself."""
         weight = module.weight
-        if not self.enabled or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or torch.is_grad_enabled():
+        if not self.enabled or x.dtype not in PACKED_DTYPES or weight.dtype != x.dtype \
+                or x.device.type != "cpu" or torch.is_grad_enabled():
             return module(x)
         stamp = (weight._version, weight.data_ptr())
         entry = self._packed.get(id(module))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from decodelab.core.kv_cache import AttentionCache, ForwardPlan, KVCache
-from decodelab.core.packed_linear import PackedLinears, bf16_packing_available
+from decodelab.core.packed_linear import PackedLinears, packing_available
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -56,53 +56,6 @@ def check_supported(config) -> None:
         )
 
 
-# fp32 linear calls of KMAJOR_MIN_ROWS..KMAJOR_MAX_ROWS rows (decode steps at batch 4-32) run through the
-# (K, N) weight copy: measured faster there; at 64 rows and in prefills (hundreds of rows) both layouts cost
-# about the same (the end-to-end batch-64 call was ~4% slower through the copy), so those keep F.linear.
-KMAJOR_MIN_ROWS, KMAJOR_MAX_ROWS = 4, 32
-
-
-class EngineLinears(PackedLinears):
-    """The engine's linear layers: bf16 through once-packed oneDNN weights (`PackedLinears`, `enabled`), and
-    fp32 calls of `min_rows`..`max_rows` rows on CPU through a once-made (K, N) contiguous copy of each weight
-    (`kmajor`).
-
-    Why the fp32 copy: `F.linear(x, W)` with W in PyTorch's (N, K) layout is a gemm with a transposed B
-    operand, and on this CPU's BLAS that call takes a much slower path from 4 rows on (measured, x (M, 576)
-    @ W.T with q_proj's W: M = 1-3 10-16 us, M = 4-8 44-50 us; the same product as x @ Wt, Wt (K, N)
-    contiguous: 11-18 us; the MLP and LM-head matrices show the same step). A decode step at batch B runs
-    every linear layer with M = B rows, so batches 4-16 paid it on every layer. Calls outside the window
-    (the batch-1 step, batch 64, prefills) keep the module's own `F.linear`, so they stay bit-identical to
-    transformers; inside it a product may differ in the last bits (another summation order), which the
-    greedy tests against transformers check end to end.
-
-    The copy is derived data, rebuilt when the weight changed (version counter or storage), and only used
-    under no_grad; it doubles the resident fp32 weights (the price of the faster layout).
-    """
-
-    def __init__(self, pack_bf16: bool, *, kmajor: bool, min_rows: int = KMAJOR_MIN_ROWS,
-                 max_rows: int = KMAJOR_MAX_ROWS):
-        super().__init__(pack_bf16)
-        self.kmajor, self.min_rows, self.max_rows = kmajor, min_rows, max_rows
-        self._copies: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
-
-    def __call__(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) -> module(x) (..., N): the (K, N) copy for min_rows..max_rows fp32 rows, else `PackedLinears`."""
-        weight = module.weight
-        n_rows = x.numel() // max(x.shape[-1], 1)
-        if not self.kmajor or x.dtype != torch.float32 or weight.dtype != torch.float32 \
-                or not self.min_rows <= n_rows <= self.max_rows or torch.is_grad_enabled():
-            return super().__call__(module, x)
-        stamp = (weight._version, weight.data_ptr())
-        entry = self._copies.get(id(module))
-        if entry is None or entry[0] != stamp:
-            entry = (stamp, weight.detach().t().contiguous())
-            self._copies[id(module)] = entry
-        rows = x.reshape(-1, x.shape[-1])
-        out = rows @ entry[1] if module.bias is None else torch.addmm(module.bias, rows, entry[1])
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -111,11 +64,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Transformer(torch.nn.Module):
     """A decode forward over a transformers causal LM's modules (Llama, Qwen2/3, Mistral layouts)."""
 
-    def __init__(self, hf_model, *, pack_bf16: bool | None = None, kmajor_fp32: bool | None = None):
-        """pack_bf16: run bf16 linear layers through once-packed oneDNN weights (see `core.packed_linear`);
-        None = whenever the model is bf16 on a CPU that supports it (outputs are bit-identical either way).
-        kmajor_fp32: run fp32 linear calls of 4-32 rows through (K, N) weight copies (`EngineLinears`);
-        None = whenever the model is fp32 on CPU."""
+    def __init__(self, hf_model, *, pack_linears: bool | None = None):
+        """pack_linears: run linear layers through once-packed oneDNN weights (see `core.packed_linear`);
+        None = whenever the model is fp32, or bf16 on a CPU that supports it."""
         super().__init__()
         config = hf_model.config
         check_supported(config)
@@ -133,11 +84,9 @@ class Transformer(torch.nn.Module):
         self.head_dim = head_dim_of(config)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
-        if pack_bf16 is None:
-            pack_bf16 = self.dtype == torch.bfloat16 and bf16_packing_available(self.device)
-        if kmajor_fp32 is None:
-            kmajor_fp32 = self.dtype == torch.float32 and self.device.type == "cpu"
-        self.linear = EngineLinears(pack_bf16, kmajor=kmajor_fp32)
+        if pack_linears is None:
+            pack_linears = packing_available(self.device, self.dtype)
+        self.linear = PackedLinears(pack_linears)
 
     @classmethod
     def from_hf(cls, hf_model, **options) -> "Transformer":

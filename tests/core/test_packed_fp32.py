@@ -1,0 +1,51 @@
+"""fp32 linear layers through packed oneDNN weights (`core.packed_linear`): the modules' products to fp32
+rounding, rebuilt on weight changes, the modules' own forward under autograd, and greedy decoding unchanged
+against transformers and against the unpacked engine."""
+
+import torch
+
+from decodelab.core.engine import generate
+from decodelab.core.models import tiny_model
+from decodelab.core.packed_linear import PackedLinears, packing_available
+from decodelab.core.transformer import Transformer
+from decodelab.quickstart import bench
+
+
+def test_packing_is_available_for_fp32_on_cpu_and_never_elsewhere():
+    assert packing_available(torch.device("cpu"), torch.float32)
+    assert not packing_available(torch.device("cpu"), torch.float16)
+    assert not packing_available(torch.device("meta"), torch.float32)
+
+
+def test_packed_products_equal_the_modules_and_follow_in_place_weight_updates():
+    layer, linear = torch.nn.Linear(32, 16), PackedLinears(True)
+    x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = linear(layer, x)
+        torch.testing.assert_close(before, layer(x), rtol=1e-5, atol=1e-5)
+        assert before.shape == (2, 3, 16) and id(layer) in linear._packed
+        layer.weight.mul_(2)
+        after = linear(layer, x)
+    torch.testing.assert_close(after, layer(x).detach(), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, after)
+
+
+def test_under_autograd_the_modules_own_forward_runs_and_gradients_flow():
+    layer, linear = torch.nn.Linear(8, 4), PackedLinears(True)
+    x = torch.randn(3, 8, requires_grad=True)
+    out = linear(layer, x)
+    assert torch.equal(out, layer(x)) and not linear._packed
+    out.sum().backward()
+    assert layer.weight.grad is not None and x.grad is not None
+
+
+def test_greedy_tokens_equal_the_unpacked_engine_and_transformers_at_several_batch_sizes():
+    model = tiny_model(seed=0)
+    plain = Transformer(model.hf_model, pack_linears=False)
+    assert model.transformer.linear.enabled and not plain.linear.enabled
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [3, 4], [20, 21, 22, 23, 24, 25]]
+    for batch in (1, 4, 5):
+        rows = bench.prompt_batch(prompts, batch)
+        ours = generate(model, rows, max_new_tokens=16, eos_token_ids=[]).tokens
+        assert ours == generate(plain, rows, max_new_tokens=16, eos_token_ids=[]).tokens
+        assert ours == bench.hf_generate_greedy(model, rows, 16)
