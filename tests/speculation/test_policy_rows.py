@@ -105,6 +105,14 @@ def test_the_k0_benchmark_runs_plain_steps_only_and_keeps_the_tokens(tiny):
                                         max_new_tokens=6, repeats=2, eos_token_ids=[])
     assert res["nonzero_k_steps"] == 0 and res["same_tokens"] is True and res["steps"] == 5
     assert res["overhead"] == pytest.approx(res["k0_s"] / res["plain_s"] - 1)
+    assert res["overhead_whole_run"] > -1
+
+
+def test_stepwise_minimum_sums_each_steps_fastest_round_and_rejects_unlike_runs():
+    assert speculative_bench.stepwise_min_seconds([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == pytest.approx(4.0)
+    assert speculative_bench.stepwise_min_seconds([[0.5, 0.25]]) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="different numbers of steps"):
+        speculative_bench.stepwise_min_seconds([[1.0, 2.0], [1.0]])
 
 
 def test_interleaved_runs_report_a_speedup_interval_around_the_fastest_round(tiny):
