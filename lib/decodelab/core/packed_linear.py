@@ -13,7 +13,12 @@ M = 1 / 4 / 16 / 64, the packed oneDNN call 5.2 / 4.8 / 8.1 / 20.2 ms; the decod
 1.2-2x at M = 2-200). The packed fp32 product is not bit-identical to MKL's (another summation order, errors
 of the same fp32 size), so fp32 greedy equality with transformers is checked end to end (tests), not
 inherited. A row's result does not depend on how many rows share the call for K = 576 (checked at
-M = 1..200), which MKL's does.
+M = 1..200), which MKL's does. The gain depends on the CPU: the figures above are an AMD EPYC host; on an
+Intel Xeon host (issue 15, later session) MKL's M = 1 path is the faster one (decode step at batch 1:
+packed 64 ms, MKL 55 ms; batch 4 and 16: packed 52 / 69 ms, MKL 63 / 77 ms; batch 64 equal), mostly
+oneDNN's per-call overhead (~0.02 ms more per small linear, 7 per layer). Packing stays on for every
+batch: mixing the two paths by batch size would make a row's logits depend on its batch and break
+the token-for-token equality of speculative and plain greedy decoding.
 
 A packed copy is derived data: it is rebuilt when the weight tensor changed (its version counter or its
 storage), so in-place updates (training, `_identity_init`) are never served stale. Gradients never flow
