@@ -98,9 +98,7 @@ def verify_step(model, cache: KVCache, tokens: torch.Tensor, *, layers=None, ret
     n_tokens, width = tokens.shape[1], padded_width(tokens.shape[1], widths, cache)
     if width == n_tokens:
         return extend(model, cache, tokens, layers=layers, logits_at="all", return_hidden=return_hidden)
-    # every row advances by W through the plain causal forward (a ragged n_new would take the masked
-    # attention path, which cost ~1.5x here), then rolls back to T: the padded positions come after the
-    # real ones, so no real position attends to them, and past the row's length they are scratch
+    # the plain causal forward at W (a ragged n_new takes the slower masked path), rolled back to T after
     advanced = cache.lengths + n_tokens
     _, hidden = extend(model, cache, pad_tokens(tokens, width), layers=layers, logits_at="none", return_hidden=True)
     cache.truncate(advanced)
