@@ -239,17 +239,32 @@ def lm_like(seed, batch, vocab=49152, temperatures=(1.0, 1.5, 2.0, 3.0)):
     return x / torch.tensor(temperatures).repeat(batch // len(temperatures) + 1)[:batch].reshape(-1, 1)
 
 
+@pytest.fixture(params=["kernel", "python"])
+def search_path(request, monkeypatch):
+    """Run a test through the C radix select (nucleus_kernel.c) and through the pure-Python windows."""
+    from decodelab.core import nucleus
+
+    if request.param == "python":
+        monkeypatch.setattr(nucleus.native, "load", lambda name: None)
+    elif nucleus.native.compiler() is None:
+        pytest.skip("no C compiler here: only the Python path runs")
+    return request.param
+
+
 @pytest.mark.parametrize("top_p", [1e-9, 0.05, 0.5, 0.9, 0.95, 0.99, 1.0])
-def test_top_p_threshold_rows_equals_the_full_sort_bit_for_bit(top_p):
-    from decodelab.core.nucleus import top_p_threshold_rows
+def test_top_p_threshold_rows_equals_the_full_sort_bit_for_bit(top_p, search_path):
+    from decodelab.core.nucleus import row_weights, top_p_threshold_rows
 
     for x in (hard_logits(0), hard_logits(1, batch=16, vocab=300), lm_like(0, 12)):
         p = torch.full((x.shape[0],), top_p, dtype=torch.float64)
         assert torch.equal(top_p_threshold_rows(x, p), ref_top_p_threshold(x, p))
         assert torch.equal(top_p_threshold_rows(x, top_p), ref_top_p_threshold(x, top_p))
+        finite = torch.isfinite(x.amax(-1))
+        xf = x[finite]  # the sampler hands over its weights for rows with a finite max
+        assert torch.equal(top_p_threshold_rows(xf, top_p, weights=row_weights(xf)), ref_top_p_threshold(xf, top_p))
 
 
-def test_top_p_threshold_rows_per_row_parameters_and_bad_rows():
+def test_top_p_threshold_rows_per_row_parameters_and_bad_rows(search_path):
     from decodelab.core.nucleus import top_p_threshold_rows
 
     x = lm_like(1, 16, vocab=8192)
@@ -257,6 +272,8 @@ def test_top_p_threshold_rows_per_row_parameters_and_bad_rows():
     x[4, 9] = float("inf")
     x[5] = NEG_INF
     x[6, 100:] = NEG_INF  # a masked vocabulary
+    x[8] = (x[8] * 4).round() / 4  # long runs of ties, across the boundary
+    x[9, :4000] = x[9].max()  # thousands tied at the max: one bucket holds them
     p = torch.rand(16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     p[[0, 7]] = 1.0
     thr, ref = top_p_threshold_rows(x, p), ref_top_p_threshold(x, p)
@@ -264,7 +281,10 @@ def test_top_p_threshold_rows_per_row_parameters_and_bad_rows():
     assert thr[0, 0] == NEG_INF and thr[7, 0] == NEG_INF  # top_p = 1: the row is left alone
 
 
-def test_top_p_threshold_rows_sorts_only_the_rows_the_window_cannot_decide(monkeypatch):
+def test_top_p_threshold_rows_sorts_only_the_rows_no_search_decides(monkeypatch, search_path):
+    """The Python windows give up on a flat row (its window is most of the row) and sort it; the kernel's
+    radix select decides it. Neither sorts a peaked row; both sort a row whose boundary lies within
+    rounding of the float32 reference (its cumulative mass there is within the decision band)."""
     from decodelab.core import nucleus
 
     sorted_rows = []
@@ -277,9 +297,39 @@ def test_top_p_threshold_rows_sorts_only_the_rows_the_window_cannot_decide(monke
     x = lm_like(3, 8)
     x[0] = torch.zeros(x.shape[-1])  # a uniform row: its nucleus is 90% of the vocabulary
     x[1, 17] = 40.0  # one token holds nearly all the mass
+    x[2] = torch.full((x.shape[-1],), NEG_INF)
+    x[2, :10] = 0.0  # ten equal tokens, P Z = 9: the boundary sits exactly on a cumulative sum
     p = torch.full((8,), 0.9, dtype=torch.float64)
     assert torch.equal(nucleus.top_p_threshold_rows(x, p), ref_top_p_threshold(x, p))
-    assert 0 in sorted_rows and 1 not in sorted_rows and len(sorted_rows) < 8
+    assert 1 not in sorted_rows and 2 in sorted_rows and len(sorted_rows) < 8
+    assert (0 in sorted_rows) is (search_path == "python")
+
+
+def test_the_c_kernel_builds_wherever_a_compiler_is_installed(tmp_path, monkeypatch):
+    from decodelab.core import native
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("DECODELAB_NATIVE_CACHE", str(tmp_path))
+    path = native.build("nucleus_kernel")
+    assert path.parent == tmp_path and path.stat().st_size > 0
+    assert native.build("nucleus_kernel") == path  # cached by the source's hash: not rebuilt
+    assert hasattr(native.ctypes.CDLL(str(path)), "top_p_rows")
+
+
+def test_a_failed_build_warns_and_the_python_path_decides(tmp_path, monkeypatch):
+    from decodelab.core import native, nucleus
+
+    monkeypatch.setenv("DECODELAB_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    native.load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="nucleus_kernel.c is unavailable"):
+            assert native.load("nucleus_kernel") is None
+        x = lm_like(5, 8)
+        assert torch.equal(nucleus.top_p_threshold_rows(x, 0.9), ref_top_p_threshold(x, 0.9))
+    finally:
+        native.load.cache_clear()
 
 
 def test_processed_logits_equal_the_reference_on_flat_and_peaked_rows_mixed_per_row():

@@ -28,8 +28,12 @@ uses; the caller may pass them in (``weights=``) and reuse them for the draw
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
+
+from decodelab.core import native
 
 # the window's guess: values with probability >= (1 - P) / (2 * this)
 _GUESS = 256
@@ -79,6 +83,20 @@ def _window_threshold(xr: np.ndarray, m, z, big_p) -> float | None:
     return None
 
 
+def _kernel_rows(kernel, x: np.ndarray, w: np.ndarray, m: np.ndarray, big_p: np.ndarray, rows: np.ndarray):
+    """The C radix select (nucleus_kernel.c) on `rows` of x, w (B, V) float32 -> (threshold (R,), clear (R,))."""
+    B, V = x.shape
+    m = np.ascontiguousarray(m, dtype=np.float32).reshape(B)
+    big_p = np.ascontiguousarray(big_p, dtype=np.float64).reshape(B)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    thr = np.empty(rows.size, dtype=np.float32)
+    clear = np.zeros(rows.size, dtype=np.uint8)
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    kernel.top_p_rows(ptr(x), ptr(w), ptr(m), ptr(big_p), ptr(rows), ctypes.c_int64(rows.size), ctypes.c_int64(V),
+                      ctypes.c_double(_BAND), ptr(thr), ptr(clear))
+    return thr, clear.astype(bool)
+
+
 def row_weights(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, V) float32 CPU -> (row max (B, 1), weights exp(x - max) (B, V) float32), as the draw computes
     them (``torch.sub`` then ``exp_``): 1 at the max, 0 at -inf."""
@@ -106,7 +124,16 @@ def top_p_threshold_rows(logits: torch.Tensor, top_p, weights: tuple | None = No
     rows = rows[np.isfinite(m[rows, 0])]  # NaN, +inf or all -inf: the reference
     tail = (1 - p.numpy()[:, 0]).astype(np.float32)  # as the reference rounds 1 - top_p
     big_p = 1 - tail.astype(np.float64)  # token k kept iff s_{k-1} < big_p * Z
-    done = np.zeros(B, dtype=bool)  # rows whose threshold a window decided
+    done = np.zeros(B, dtype=bool)  # rows whose threshold a window (or the kernel) decided
+    kernel = native.load("nucleus_kernel")
+    if kernel is not None and rows.size:
+        if weights is None:
+            m_t, w_t = row_weights(x)
+            m, w = m_t.numpy(), w_t.numpy()
+        else:
+            w = weights[1].detach().contiguous().numpy()
+        thr[rows, 0], done[rows] = _kernel_rows(kernel, xn, w, m, big_p, rows)
+        rows = rows[:0]
     for r in rows:  # one row at a time: no copies of the batch
         if weights is None:
             wr = torch.sub(x[r], torch.from_numpy(m[r])).exp_().numpy()

@@ -12,8 +12,8 @@ values that provably holds the nucleus, checked exactly, and sorts only the rows
 (flat rows, or a boundary within rounding of the float32 reference): ``nucleus.top_p_threshold_rows``,
 bit for bit the full-sort threshold. The last threshold of the pipeline is not applied as a masked
 copy: the draw applies it (``sample_inverse_cdf(x, u, threshold)``), each row over its kept ids alone
-when they are few. In a batch mixing greedy and sampled rows, ``sample`` takes the greedy rows' argmax
-apart and runs the pipeline on the sampled rows only (the same thresholds and law per row). In
+when they are few. In a batch mixing greedy and sampled rows, ``sample`` runs the pipeline with the greedy
+rows as plain T = 1 rows and gives them their argmax after (the same thresholds and law per row). In
 ``sample`` the top-p search's weights exp(x - max) (``nucleus.row_weights``) are computed once and
 handed to the draw, and x is not masked before a last min-p stage (min-p reads the row max alone): the
 draw applies the earlier thresholds as a floor (``sample_inverse_cdf(x, u, thr, weights=, floor=)``),
@@ -192,12 +192,13 @@ class Sampler:
         self.is_greedy = bool(self._greedy_rows.all())
         self._any_greedy = bool(self._greedy_rows.any())
         self._on: dict = {}
-        # sample() draws the sampled rows of a mixed batch with a sampler of their own (greedy rows take
-        # the argmax apart): the same thresholds and law per row, without masking greedy rows to one-hot
+        # sample() draws a mixed batch with a sampler whose greedy rows are plain T = 1 rows, then gives
+        # those rows their argmax: the same thresholds and law per row, without masking greedy rows to
+        # one-hot or copying the sampled rows out (every stage works row by row)
         self._sampled = None
         if self._any_greedy and not self.is_greedy:
-            keep = (~self._greedy_rows).nonzero().reshape(-1)
-            self._sampled = (keep, Sampler([self.configs[int(i)] for i in keep], order=self.order))
+            plain = [SamplerConfig() if c.temperature == 0 else c for c in self.configs]
+            self._sampled = (self._greedy_rows.nonzero().reshape(-1), Sampler(plain, order=self.order))
 
     def __repr__(self) -> str:
         labels = sorted({c.label() for c in self.configs})
@@ -225,17 +226,15 @@ class Sampler:
         if self.per_row and logits.shape[0] != len(self.configs):
             raise ValueError(f"logits have {logits.shape[0]} rows but the sampler has {len(self.configs)} configs")
 
-    def _run(self, logits: torch.Tensor, defer_last: bool = False, owned: bool = False):
+    def _run(self, logits: torch.Tensor, defer_last: bool = False):
         """(B, V) -> (processed (B, V) float32, deferred threshold (B, 1) or None, shared).
 
         With defer_last, a last stage that is a threshold is not applied to the logits: its threshold is
         returned instead, for the draw to apply (``sample_inverse_cdf``), which saves a masked copy.
         shared: {"weights", "floor"} for the draw when the top-p search computed exp(x - max) for every row
-        and only thresholds (running maximum: floor) masked x since, else {}. owned: `logits` is a copy
-        of the caller's, free to be scaled in place."""
+        and only thresholds (running maximum: floor) masked x since, else {}."""
         self._check(logits)
         x = logits.float()
-        owned = owned and x.data_ptr() == logits.data_ptr()
         p = self._params(x.device)
         sa = None  # an ascending copy of x's values (or a window standing for it), when a stage has one
         shared = {}  # the top-p search's weights, kept for the draw while x changes only by masking
@@ -247,7 +246,7 @@ class Sampler:
                     x, sa = apply_temperature(x, p["temperature"]), None
                     continue
                 t = p["temperature"].reshape(-1, 1).to(x.dtype)
-                x = x.div_(t) if owned else x / t  # the one copy; later stages work in place on x and sa
+                x = x / t  # the one copy; later stages work in place on x and sa
                 if sa is not None:
                     sa.div_(t)
                 continue
@@ -297,7 +296,7 @@ class Sampler:
                 if sa is None and set(self.stages[i + 1:]) <= {"min_p"}:
                     continue  # min-p reads the row max alone, and the draw applies the floor: no masked x
             # the same threshold on the logits and on their sorted copy keeps the two consistent
-            x = x.clone() if x.data_ptr() == logits.data_ptr() and not owned else x
+            x = x.clone() if x.data_ptr() == logits.data_ptr() else x
             _mask_below_(x, thr)
             if sa is not None:
                 _mask_below_(sa, thr)
@@ -329,11 +328,11 @@ class Sampler:
         if self.is_greedy:
             return argmax_rows(logits)
         if self._sampled is not None:
-            rows, sampler = self._sampled
-            rows = rows.to(logits.device)
-            tokens = argmax_rows(logits).to(logits.device)
-            x, thr, shared = sampler._run(logits.index_select(0, rows), defer_last=True, owned=True)
-            tokens[rows] = sample_inverse_cdf(x, u[rows], thr, **shared).to(tokens.device)
+            greedy, sampler = self._sampled
+            greedy = greedy.to(logits.device)
+            x, thr, shared = sampler._run(logits, defer_last=True)
+            tokens = sample_inverse_cdf(x, u, thr, **shared)
+            tokens[greedy] = argmax_rows(logits.index_select(0, greedy)).to(tokens.device)
             return tokens
         x, thr, shared = self._run(logits, defer_last=True)
         return sample_inverse_cdf(x, u, thr, **shared)
