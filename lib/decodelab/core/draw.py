@@ -62,7 +62,7 @@ def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, threshold: torch.T
         xn = x.detach().contiguous().numpy()
         cut = _cut(threshold, floor).detach().numpy()
         keep = xn >= cut
-        sparse = np.count_nonzero(keep, axis=-1) * _SPARSE_FRACTION <= V  # per row: few kept ids
+        sparse = kept_per_row(keep) * _SPARSE_FRACTION <= V  # per row: few kept ids
         if floor is not None:
             sparse &= threshold.detach().numpy()[:, 0] > -np.inf  # as on masked logits: keep-all rows dense
         if sparse.all():
@@ -81,6 +81,12 @@ def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, threshold: torch.T
             tokens[rows] = sparse_tokens
             return tokens
     return _dense_draw(x, u, head, m, _cut(threshold, floor), weights)
+
+
+def kept_per_row(keep: np.ndarray) -> np.ndarray:
+    """(B, V) bool -> (B,) int64 True count per row; one count_nonzero per row (numpy's axis=-1 count
+    is ~7x slower on (64, 49152))."""
+    return np.fromiter((np.count_nonzero(row) for row in keep), dtype=np.int64, count=keep.shape[0])
 
 
 def _cut(threshold, floor):

@@ -7,19 +7,25 @@ threshold is the first kept value (ties with it are kept; the top token always).
 token k is kept iff s_{k-1} < P Z with P = 1 - tail, so the number kept is K = min{k : s_k >= P Z}
 (at least 1) and the threshold is b_K. Only the largest K values are needed, plus Z.
 
-``top_p_threshold_rows`` finds them per row from a window {x >= lo} with lo = max + log((1 - P) Z /
+``top_p_threshold_rows`` finds them per row. Where a C compiler works (``core.native``) the kernel
+``nucleus_kernel.c`` does it in one pass over the row plus a small sort: a window of the values with
+probability >= (1 - P) / 512 when few of them hold P Z (a peaked row), else a radix select on the
+weights' float32 bits (each bucket's mass, the bucket where the mass from the top crosses P Z, then a
+sort of that bucket alone). Elsewhere, in numpy, a window {x >= lo} with lo = max + log((1 - P) Z /
 (2 S)) (every value left out has probability < (1 - P) / (2 S)), sorted on its own: the window holds
-the nucleus iff its mass reaches P Z, which is checked exactly. S = _GUESS, then 16 _GUESS for the rows
-that failed, then V (the window that provably holds the nucleus: the at most V values left out hold
-< (1 - P) / 2 of the mass). Flat rows (a window of more than V / _WIDE values) take the full sort:
-numpy's SIMD sort costs ~3.5 ns a value here, and a radix select on the values (a weighted bincount
-of monotone bucket ids, then a sort of the crossing bucket, measured in issue 15) cost ~1.8x the
-reference's sort + float32 softmax + cumulative sum on the notebook-02 flat rows (loaded machine).
-Sums are in float64 over float32 weights (error ~1e-8 of Z); the reference's float32 softmax and
-cumulative sum err by up to ~3e-7 (measured on flat rows of 49152), so where s_{K-1} or s_K lies
-within _BAND * Z of P Z the two may disagree and the row takes the reference (its full sort). So do
-rows without a finite maximum (NaN, +inf, all -inf) and every row off CPU: the result equals
-``top_p_threshold`` bit for bit, and only the rows that need it are sorted.
+the nucleus iff its mass reaches P Z, which is checked exactly. S = _GUESS, then 16 _GUESS for the
+rows that failed, then V (the window that provably holds the nucleus: the at most V values left out
+hold < (1 - P) / 2 of the mass); flat rows (a window of more than V / _WIDE values) take the full sort.
+
+Exactness: sums are in float64 over float32 weights (error ~1e-12 of Z). The reference's float32
+softmax scales every probability by the rounding of its float32 normalizer, so its cumulative mass at
+the boundary (the removed tail, about 1 - P) errs in proportion to the tail: at most 4.3e-7 (1 - P)
+over 320 flat rows of 49152 (the notebook-02 prompts at T = 1..5 and heavy-tailed rows, top_p 0.5 to
+0.99, measured in issue 15), and the normalizer's rounding grows with the vocabulary. So where s_{K-1}
+or s_K lies within band = _BAND (1 - P) Z max(1, V / _BAND_VOCAB) of P Z the two may disagree, and the
+row takes the reference (its full sort). So do rows without a finite maximum (NaN, +inf, all -inf) and
+every row off CPU: the result equals ``top_p_threshold`` bit for bit, and only the rows that need it
+are sorted.
 
 ``row_weights(x)`` gives the (B, 1) row max and the (B, V) float32 weights exp(x - max) this search
 uses; the caller may pass them in (``weights=``) and reuse them for the draw
@@ -39,8 +45,15 @@ from decodelab.core import native
 _GUESS = 256
 # a row whose window holds more than V // this values takes the full sort (the window would cost as much)
 _WIDE = 8
-# the decision margin, a fraction of Z: 3x the reference's largest measured rounding error
-_BAND = 1e-6
+# the decision margin, a fraction of the tail mass (1 - P) Z: 7x the reference's largest measured error
+_BAND = 3e-6
+# the vocabulary that error was measured on; larger ones widen the margin in proportion
+_BAND_VOCAB = 49152
+
+
+def _band_per_tail(vocab: int) -> float:
+    """The decision margin as a fraction of the tail mass (1 - P) Z, for this vocabulary size."""
+    return _BAND * max(1.0, vocab / _BAND_VOCAB)
 
 
 def _reference_rows(logits: torch.Tensor, top_p: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
@@ -49,16 +62,16 @@ def _reference_rows(logits: torch.Tensor, top_p: torch.Tensor, rows: np.ndarray)
     return top_p_threshold(logits[torch.from_numpy(rows)], top_p[torch.from_numpy(rows)])
 
 
-def _resolve(desc: np.ndarray, above: np.ndarray, m: np.ndarray, z: np.ndarray, big_p: np.ndarray):
+def _resolve(desc: np.ndarray, above: np.ndarray, m: np.ndarray, z: np.ndarray, big_p: np.ndarray, vocab: int):
     """Per row: the descending candidates `desc` (R, L) (-inf padding after them) with `above` (R, 1) the
     mass of the values over them -> (threshold (R,), clear (R,) bool). clear: the candidates hold the
-    K-th largest value and s_{K-1}, s_K lie more than _BAND * Z from P Z (the reference decides alike)."""
+    K-th largest value and s_{K-1}, s_K lie more than the band from P Z (the reference decides alike)."""
     s = above + np.cumsum(np.exp(desc.astype(np.float64) - m.astype(np.float64)), axis=-1)  # s_k
     target = big_p * z
     n_in = np.minimum((s < target).sum(-1, keepdims=True), desc.shape[-1] - 1)  # index of the K-th in desc
     s_k = np.take_along_axis(s, n_in, axis=-1)
     s_before = np.where(n_in > 0, np.take_along_axis(s, np.maximum(n_in - 1, 0), axis=-1), above)
-    band = _BAND * z
+    band = _band_per_tail(vocab) * (1 - big_p) * z
     clear = (s_k >= target + band) & (s_before < target - band) & np.isfinite(np.take_along_axis(desc, n_in, -1))
     clear |= (above == 0) & (n_in == 0) & (target <= 0)  # P <= 0: the reference keeps the top token alone
     return np.take_along_axis(desc, n_in, axis=-1)[:, 0], clear[:, 0]
@@ -77,7 +90,8 @@ def _window_threshold(xr: np.ndarray, m, z, big_p) -> float | None:
         if np.count_nonzero(keep) > V // _WIDE:
             return None
         desc = np.sort(xr[keep])[::-1].reshape(1, -1)
-        thr, clear = _resolve(desc, np.zeros((1, 1)), np.full((1, 1), m), np.full((1, 1), z), np.full((1, 1), big_p))
+        thr, clear = _resolve(desc, np.zeros((1, 1)), np.full((1, 1), m), np.full((1, 1), z), np.full((1, 1), big_p),
+                               V)
         if clear[0]:
             return thr[0]
     return None
@@ -93,7 +107,7 @@ def _kernel_rows(kernel, x: np.ndarray, w: np.ndarray, m: np.ndarray, big_p: np.
     clear = np.zeros(rows.size, dtype=np.uint8)
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     kernel.top_p_rows(ptr(x), ptr(w), ptr(m), ptr(big_p), ptr(rows), ctypes.c_int64(rows.size), ctypes.c_int64(V),
-                      ctypes.c_double(_BAND), ptr(thr), ptr(clear))
+                      ctypes.c_double(_band_per_tail(V)), ptr(thr), ptr(clear))
     return thr, clear.astype(bool)
 
 

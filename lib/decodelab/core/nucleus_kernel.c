@@ -8,7 +8,7 @@
    mantissa bits orders the weights, and so the values, by bucket. One pass builds each bucket's mass;
    a scan from the top bucket finds the one where the running mass crosses P Z (`above` = the mass of
    the buckets over it); a second pass gathers that bucket's values, sorted descending, and the K-th
-   is among them. A row is `clear` when s_{K-1} and s_K lie more than band * Z from P Z, where the
+   is among them. A row is `clear` when s_{K-1} and s_K lie more than band (1 - P) Z from P Z, where the
    float32 reference (a full sort, softmax and cumulative sum) decides alike; the caller takes the
    reference for the other rows. Build: cc -O3 -shared -fPIC (decodelab.core.native). */
 
@@ -76,7 +76,7 @@ static int resolve(entry *picked, int64_t n, double above, double target, double
 static int row_threshold(const float *x, const float *w, int64_t V, double big_p, double band,
                          float row_max, double *mass, uint16_t *ids, entry *picked, float *threshold) {
     double z = sum_weights(w, V);
-    double target = big_p * z, margin = band * z;
+    double target = big_p * z, margin = band * (1.0 - big_p) * z;
     if (target <= 0.0) { /* P <= 0: the reference keeps the top token alone */
         *threshold = row_max;
         return 1;

@@ -12,8 +12,8 @@ values that provably holds the nucleus, checked exactly, and sorts only the rows
 (flat rows, or a boundary within rounding of the float32 reference): ``nucleus.top_p_threshold_rows``,
 bit for bit the full-sort threshold. The last threshold of the pipeline is not applied as a masked
 copy: the draw applies it (``sample_inverse_cdf(x, u, threshold)``), each row over its kept ids alone
-when they are few. In a batch mixing greedy and sampled rows, ``sample`` runs the pipeline with the greedy
-rows as plain T = 1 rows and gives them their argmax after (the same thresholds and law per row). In
+when they are few. In a batch mixing greedy and sampled rows, ``sample`` runs the pipeline with placeholder
+rows in place of the greedy ones and gives those their argmax after (the same thresholds and law per row). In
 ``sample`` the top-p search's weights exp(x - max) (``nucleus.row_weights``) are computed once and
 handed to the draw, and x is not masked before a last min-p stage (min-p reads the row max alone): the
 draw applies the earlier thresholds as a floor (``sample_inverse_cdf(x, u, thr, weights=, floor=)``),
@@ -192,13 +192,15 @@ class Sampler:
         self.is_greedy = bool(self._greedy_rows.all())
         self._any_greedy = bool(self._greedy_rows.any())
         self._on: dict = {}
-        # sample() draws a mixed batch with a sampler whose greedy rows are plain T = 1 rows, then gives
-        # those rows their argmax: the same thresholds and law per row, without masking greedy rows to
-        # one-hot or copying the sampled rows out (every stage works row by row)
+        # sample() draws a mixed batch with a sampler whose greedy rows are placeholders, then gives those
+        # rows their argmax: the same thresholds and law per row, without masking greedy rows to one-hot
+        # or copying the sampled rows out (every stage works row by row). The placeholder keeps only the
+        # max (min_p = 1), so its draw takes the cheap path over one kept id.
         self._sampled = None
         if self._any_greedy and not self.is_greedy:
-            plain = [SamplerConfig() if c.temperature == 0 else c for c in self.configs]
-            self._sampled = (self._greedy_rows.nonzero().reshape(-1), Sampler(plain, order=self.order))
+            placeholder = SamplerConfig(min_p=1.0) if "min_p" in self.order else SamplerConfig()
+            rows = [placeholder if c.temperature == 0 else c for c in self.configs]
+            self._sampled = (self._greedy_rows.nonzero().reshape(-1), Sampler(rows, order=self.order))
 
     def __repr__(self) -> str:
         labels = sorted({c.label() for c in self.configs})
