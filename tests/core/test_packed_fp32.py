@@ -23,11 +23,34 @@ def test_packed_products_equal_the_modules_and_follow_in_place_weight_updates():
     with torch.no_grad():
         before = linear(layer, x)
         torch.testing.assert_close(before, layer(x), rtol=1e-5, atol=1e-5)
-        assert before.shape == (2, 3, 16) and id(layer) in linear._packed
+        assert before.shape == (2, 3, 16) and (id(layer),) in linear._packed
         layer.weight.mul_(2)
         after = linear(layer, x)
     torch.testing.assert_close(after, layer(x).detach(), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(before, after)
+
+
+def test_a_group_of_linears_in_one_call_equals_each_packed_call_bit_for_bit_and_follows_updates():
+    """q/k/v and gate/up run as one oneDNN product on their weights side by side: every output column is
+    the same dot product, so the split results equal the separate packed calls exactly, at any batch, in
+    fp32 and bf16, with biases on some modules only (a missing bias adds zeros)."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        if not packing_available(torch.device("cpu"), dtype):
+            continue
+        mods = (torch.nn.Linear(64, 64, bias=True), torch.nn.Linear(64, 16, bias=False), torch.nn.Linear(64, 16))
+        mods = tuple(m.to(dtype) for m in mods)
+        linear = PackedLinears(True)
+        with torch.no_grad():
+            for rows in (1, 3, 16, 65):
+                x = torch.randn(rows, 2, 64, generator=g).to(dtype)
+                grouped = linear.group(mods, x)
+                assert [o.shape[-1] for o in grouped] == [64, 16, 16]
+                assert all(torch.equal(a, linear(m, x)) for a, m in zip(grouped, mods))
+            mods[1].weight.mul_(-1)  # an in-place update repacks the group
+            x = torch.randn(2, 64, generator=g).to(dtype)
+            assert torch.equal(linear.group(mods, x)[1], linear(mods[1], x))
+            torch.testing.assert_close(linear.group(mods, x)[1].float(), mods[1](x).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_under_autograd_the_modules_own_forward_runs_and_gradients_flow():

@@ -112,9 +112,10 @@ class Transformer(torch.nn.Module):
                    plan: ForwardPlan) -> torch.Tensor:
         attn = layer.self_attn
         batch, n_new, _ = x.shape
-        q = self.linear(attn.q_proj, x).view(batch, n_new, self.n_heads, self.head_dim)
-        k = self.linear(attn.k_proj, x).view(batch, n_new, self.n_kv_heads, self.head_dim)
-        v = self.linear(attn.v_proj, x).view(batch, n_new, self.n_kv_heads, self.head_dim)
+        q, k, v = self.linear.group((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        q = q.view(batch, n_new, self.n_heads, self.head_dim)
+        k = k.view(batch, n_new, self.n_kv_heads, self.head_dim)
+        v = v.view(batch, n_new, self.n_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3 normalizes q and k per head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -126,7 +127,8 @@ class Transformer(torch.nn.Module):
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP exactly as transformers' LlamaMLP computes it: down(act(gate(x)) * up(x))."""
-        return self.linear(mlp.down_proj, mlp.act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
+        gate, up = self.linear.group((mlp.gate_proj, mlp.up_proj), x)
+        return self.linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
     def unembed(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden (..., E) -> logits (..., V) in float32.
