@@ -57,7 +57,8 @@ def build(name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        cmd = [*cc, "-O3", "-fopenmp-simd", "-std=c99", "-shared", "-fPIC", str(_HERE / f"{name}.c"), "-o", str(partial), "-lm"]
+        cmd = [*cc, "-O3", "-fopenmp-simd", "-std=c99", "-shared", "-fPIC", str(_HERE / f"{name}.c"),
+               "-o", str(partial), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
