@@ -139,24 +139,20 @@ def top_p_threshold_rows(logits: torch.Tensor, top_p, weights: tuple | None = No
     tail = (1 - p.numpy()[:, 0]).astype(np.float32)  # as the reference rounds 1 - top_p
     big_p = 1 - tail.astype(np.float64)  # token k kept iff s_{k-1} < big_p * Z
     done = np.zeros(B, dtype=bool)  # rows whose threshold a window (or the kernel) decided
-    kernel = native.load("nucleus_kernel")
-    if kernel is not None and rows.size:
-        if weights is None:
-            m_t, w_t = row_weights(x)
-            m, w = m_t.numpy(), w_t.numpy()
-        else:
-            w = weights[1].detach().contiguous().numpy()
+    kernel = native.load("nucleus_kernel") if rows.size else None
+    if kernel is not None:  # the weights as the draw computes them, from the row max found above
+        w = torch.sub(x, torch.from_numpy(m)).exp_().numpy() if weights is None else weights[1].contiguous().numpy()
         thr[rows, 0], done[rows] = _kernel_rows(kernel, xn, w, m, big_p, rows)
-        rows = rows[:0]
-    for r in rows:  # one row at a time: no copies of the batch
-        if weights is None:
-            wr = torch.sub(x[r], torch.from_numpy(m[r])).exp_().numpy()
-        else:
-            wr = weights[1][r].numpy()
-        z = wr.sum(dtype=np.float64)  # numpy's pairwise float64 sum
-        t = _window_threshold(xn[r], m[r, 0], z, big_p[r])
-        if t is not None:
-            thr[r, 0], done[r] = t, True
+    else:
+        for r in rows:  # one row at a time: no copies of the batch
+            if weights is None:
+                wr = torch.sub(x[r], torch.from_numpy(m[r])).exp_().numpy()
+            else:
+                wr = weights[1][r].numpy()
+            z = wr.sum(dtype=np.float64)  # numpy's pairwise float64 sum
+            t = _window_threshold(xn[r], m[r, 0], z, big_p[r])
+            if t is not None:
+                thr[r, 0], done[r] = t, True
     rest = np.flatnonzero(~done & (p.numpy()[:, 0] < 1))
     if rest.size:
         thr[rest] = _reference_rows(logits, p.reshape(B), rest).numpy()

@@ -62,8 +62,6 @@ class PackedLinears:
     def __call__(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> module(x) (..., N): through the packed weight when enabled, x is a CPU fp32/bf16 tensor
         of the weight's dtype and no gradient is recorded; else the module itself."""
-        if not self._usable(module, x):
-            return module(x)
         return self.group((module,), x)[0]
 
     def group(self, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
