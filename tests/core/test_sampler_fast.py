@@ -200,34 +200,6 @@ def test_processed_logits_equal_the_reference_at_the_embedded_vocabulary_size(cf
     assert torch.equal(sampler.process(logits), ref_run(sampler, logits)[0])
 
 
-def test_top_p_window_holds_the_nucleus_and_gives_the_full_sort_threshold():
-    g = torch.Generator().manual_seed(5)
-    V = 49152
-    logits = -torch.empty(16, V).exponential_(generator=g).log() * torch.linspace(1.5, 3.0, 16).reshape(16, 1)
-    top_p = torch.linspace(0.05, 0.95, 16, dtype=torch.float64)
-    thr, window = filters.top_p_window_threshold(logits, top_p)
-    assert window.shape[-1] <= V // 8  # a window, not the row
-    assert torch.equal(thr, ref_top_p_threshold(logits, top_p))
-    # the window is the top of the sort, and every kept value is in it
-    finite = torch.isfinite(window)
-    assert torch.equal(window[finite], sort_values(logits)[:, V - window.shape[-1]:][finite])
-    kept = logits >= thr
-    assert torch.equal(kept.sum(-1), (window >= thr).sum(-1))
-
-
-def test_top_p_window_falls_back_to_the_full_sort_on_flat_nan_or_inf_rows():
-    assert filters.top_p_window_threshold(torch.zeros(2, 4096), 0.9) is None  # flat: the window is the row
-    x = torch.randn(2, 4096) * 5
-    assert filters.top_p_window_threshold(x, 0.9) is not None
-    for bad in (float("nan"), float("inf")):
-        y = x.clone()
-        y[1, 3] = bad
-        assert filters.top_p_window_threshold(y, 0.9) is None
-    assert filters.top_p_window_threshold(x.cuda() if torch.cuda.is_available() else x.to("meta"), 0.9) is None
-    ones = filters.top_p_window_threshold(x, torch.tensor([1.0, 0.9], dtype=torch.float64))[0]
-    assert ones[0, 0] == NEG_INF and ones[1, 0] > NEG_INF  # top_p = 1 disables the row
-
-
 # ----------------------------------------------------------------------------------------------
 # core.nucleus: the per-row top-p threshold (windows, the reference sort only where a row needs it)
 

@@ -1,8 +1,11 @@
 """Verify at a padded width: the real positions' logits and the cache are what the unpadded forward gives."""
 
+import re
+
 import pytest
 import torch
 
+from decodelab.core import machine, verify_width
 from decodelab.core.engine import prefill, verify_step
 from decodelab.core.models import tiny_model
 from decodelab.core.verify_width import PAD_MARGIN, cheapest_widths, load_table, padded_width, save_table, table_path
@@ -69,3 +72,26 @@ def test_width_table_round_trips_through_json(tmp_path):
     save_table(path, {k: v / 1e3 for k, v in ISSUE_MS.items()}, {"context": 256})
     assert load_table(path) == cheapest_widths(ISSUE_MS)
     assert load_table(tmp_path / "missing.json") is None
+
+
+def test_machine_key_tells_cpu_models_apart_and_is_a_file_name(monkeypatch):
+    keys = {}
+    for cpu in ("AMD EPYC 9R14", "Intel(R) Xeon(R) Platinum 8488C @ 2.4GHz"):
+        monkeypatch.setattr(verify_width, "cpu_model", lambda cpu=cpu: cpu)
+        keys[cpu] = verify_width.machine_key("org/model", torch.float32, 16)
+    assert len(set(keys.values())) == 2
+    for key in keys.values():
+        assert re.fullmatch(r"[A-Za-z0-9.+_-]+", key), key
+        assert key.startswith("org_model-float32-B16-")
+
+
+def test_cpu_model_reads_the_model_name_where_linux_has_one():
+    model = machine.cpu_model()
+    assert model and model.strip() == model
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+    except OSError:
+        names = []
+    if names:
+        assert model == names[0]

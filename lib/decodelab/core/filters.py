@@ -29,8 +29,6 @@ import torch
 NEG_INF = float("-inf")
 # sorted_kept uses a window when every row keeps at most V // _WINDOW_FRACTION values (else a full sort)
 _WINDOW_FRACTION = 8
-# top_p_window_threshold's first window: the values with probability >= (1 - top_p) / (2 * this), checked
-_NUCLEUS_GUESS = 256
 # window lengths keep a full row's length modulo this, so the softmax kernel sees the kept values at the
 # same offset within its vector lanes as in the full sorted row
 _ALIGN = 64
@@ -197,52 +195,6 @@ def top_p_threshold(logits: torch.Tensor, top_p, sorted_asc: torch.Tensor | None
     tail = (1 - p).to(sa.dtype)  # 1 - top_p in double, then rounded, as the warper's scalar compare
     n_removed = torch.searchsorted(cum, tail.contiguous(), right=True).clamp(max=V - 1)
     return torch.where(p < 1, sa.gather(-1, n_removed), NEG_INF)
-
-
-def top_p_window_threshold(logits: torch.Tensor, top_p) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(B, V) -> (threshold (B, 1), window (B, L)) as ``top_p_threshold``, from a window, not a full sort.
-
-    The window: each row's values x >= x_max + log(tau), tau = (1 - top_p) Z / (2V) with Z the softmax
-    normalizer relative to the max (sum_j exp(x_j - x_max)). Every value left out has probability
-    < tau / Z, so at most V of them hold < (1 - top_p) / 2 of the mass: they all lie in the removed
-    tail, and the nucleus is inside the window. A narrower window is tried first (2V replaced by
-    2 * _NUCLEUS_GUESS) and kept for each row whose left-out mass, computed exactly, is at most
-    (1 - top_p) Z / 2: the same argument then holds. The cumulative mass at window entry i is then the
-    left-out mass Z - sum(window) plus the window's cumulative sum, in float64 (the reference sums the
-    sorted row in float32; a token within rounding of the 1 - top_p boundary may fall the other side).
-    The window (ascending, right-aligned, -inf before the values) is what ``candidates_window`` returns.
-    None (the caller takes the full sort) off CPU, for NaN/inf rows, or when a row's window exceeds
-    V // _WINDOW_FRACTION values (a flat row: the sort of the window would cost the full sort's).
-    """
-    if not _numpy_ok(logits):
-        return None
-    xn = logits.detach().contiguous().numpy()
-    B, V = xn.shape
-    m = xn.max(axis=-1, keepdims=True)
-    if not np.isfinite(m).all():
-        return None
-    p = _row_param(top_p, logits, torch.float64).expand(B, 1).numpy()
-    weights = torch.from_numpy(xn - m).exp_()  # (B, V), 1 at the max
-    z = weights.sum(-1, keepdim=True).double().numpy()
-    failed = bound = None
-    for spread in (_NUCLEUS_GUESS, V):  # a narrow window first, checked; then the provable one
-        with np.errstate(divide="ignore"):
-            guess = np.where(p < 1, m + np.log((1 - p) * z / (2 * spread)), m)  # top_p = 1: only the max
-        bound = guess if spread == _NUCLEUS_GUESS else np.where(failed, guess, bound)  # widen failed rows only
-        keep = xn >= bound.astype(xn.dtype)
-        n = int(np.count_nonzero(keep, axis=-1).max())
-        if n > V // _WINDOW_FRACTION:
-            return None
-        window = _right_aligned_sorted(xn, keep, window_length(n, V))
-        pw = np.exp(window.numpy().astype(np.float64) - m)
-        left_out = np.maximum(z - pw.sum(-1, keepdims=True), 0)
-        failed = left_out > 0.5 * (1 - p) * z  # this row's nucleus may reach below the window
-        if not failed.any():
-            break
-    cum = (left_out + np.cumsum(pw, axis=-1)) / z
-    n_removed = np.minimum((cum <= 1 - p).sum(-1, keepdims=True), window.shape[-1] - 1)
-    thr = np.take_along_axis(window.numpy(), n_removed, axis=-1)
-    return torch.from_numpy(np.where(p < 1, thr, -np.inf).astype(xn.dtype)), window
 
 
 def min_p_threshold(logits: torch.Tensor, min_p, row_max_: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,12 +15,13 @@ stored as JSON under the model cache dir (and with runs); `cheapest_widths` turn
 from __future__ import annotations
 
 import json
-import platform
+import re
 from pathlib import Path
 
 import torch
 
 from decodelab.core.kv_cache import KVCache
+from decodelab.core.machine import cpu_model
 
 PAD_MARGIN = 0.05  # pad only when the wider forward is >= 5% cheaper: smaller gaps are timing noise
 
@@ -65,9 +66,9 @@ def pad_tokens(tokens: torch.Tensor, width: int, fill: int = 0) -> torch.Tensor:
 
 def machine_key(model_name: str, dtype: torch.dtype, batch: int) -> str:
     """What a width table depends on: the model, the dtype, the batch, this CPU and torch build, threads."""
-    cpu = platform.processor() or platform.machine()
-    return (f"{model_name}-{str(dtype).removeprefix('torch.')}-B{batch}-{cpu}-t{torch.get_num_threads()}"
-            f"-torch{torch.__version__}").replace("/", "_").replace(" ", "_")
+    key = (f"{model_name}-{str(dtype).removeprefix('torch.')}-B{batch}-{cpu_model()}-t{torch.get_num_threads()}"
+           f"-torch{torch.__version__}")
+    return re.sub(r"[^A-Za-z0-9.+_-]", "_", key)  # a file name on every OS: CPU models hold spaces, (R), @
 
 
 def table_path(directory: Path, key: str) -> Path:

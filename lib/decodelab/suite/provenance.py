@@ -17,6 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
+from decodelab.core.machine import cpu_model
 from decodelab.workloads.paths import repo_root
 
 PACKAGES = (
@@ -35,7 +36,7 @@ def collect_env(**extra) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": package_versions(),
-        "cpu": {"model": _cpu_model(), "cores": os.cpu_count(), "usable_cores": _usable_cores()},
+        "cpu": {"model": cpu_model(), "cores": os.cpu_count(), "usable_cores": _usable_cores()},
         "memory_gib": _memory_gib(),
         "gpu": _gpu_names(),
         "git": git_state(repo_root()),
@@ -58,19 +59,6 @@ def package_versions(names=PACKAGES) -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return versions
-
-
-def _cpu_model() -> str:
-    import platform
-
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _usable_cores() -> int | None:
