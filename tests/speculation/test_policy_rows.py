@@ -226,3 +226,55 @@ def test_the_k0_benchmark_reuses_the_shared_prefill_for_both_sides(tiny, monkeyp
     res = speculative_bench.k0_overhead(tiny, _prompts(), NGramDrafter, lambda b: RowBudgetPolicy(_never_pays),
                                         max_new_tokens=6, repeats=2, eos_token_ids=[], prefilled=pre)
     assert calls == [] and res["nonzero_k_steps"] == 0 and res["same_tokens"] is True and res["policy_s"] >= 0
+
+
+def test_side_by_side_steps_every_live_run_in_turn_and_returns_each_result():
+    trace = []
+
+    def run(name, n):
+        for i in range(n):
+            trace.append((name, i))
+            yield
+        return f"{name} done"
+
+    out = speculative_bench.side_by_side({"a": run("a", 3), "b": run("b", 1), "c": run("c", 2)})
+    assert out == {"a": "a done", "b": "b done", "c": "c done"}
+    assert trace == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("c", 1), ("a", 2)]
+
+
+def test_step_generators_yield_once_per_timed_step_and_equal_the_driven_decode(tiny):
+    prompts = _prompts()[:2]
+    plain = engine.generate(tiny, prompts, max_new_tokens=6, eos_token_ids=[])
+    steps = speculative.generate_steps(tiny, prompts, NGramDrafter(), k=2, max_new_tokens=6, eos_token_ids=[])
+    n_yields = 0
+    while True:
+        try:
+            next(steps)
+            n_yields += 1
+        except StopIteration as stop:
+            result = stop.value
+            break
+    assert result.tokens == plain.tokens and n_yields == len(result.stats.step_s) > 0
+
+
+def test_side_by_side_runs_own_their_caches_and_keep_greedy_tokens(tiny):
+    prompts = _prompts()[:2]
+    pre = speculative.prefill(tiny, prompts, max_new_tokens=6)
+    copy = speculative_bench.own_cache(pre)
+    assert copy.cache.keys.data_ptr() != pre.cache.keys.data_ptr()
+    assert torch.equal(copy.cache.keys, pre.cache.keys) and torch.equal(copy.cache.lengths, pre.cache.lengths)
+    copy.cache.advance(torch.ones(2, dtype=torch.long))
+    assert not torch.equal(copy.cache.lengths, pre.cache.lengths)  # the original is untouched
+    plain = engine.generate(tiny, prompts, max_new_tokens=6, eos_token_ids=[]).tokens
+    runs = {i: speculative.generate_steps(tiny, drafter=d, k=k, max_new_tokens=6, eos_token_ids=[],
+                                          prefilled=pre if i == 0 else speculative_bench.own_cache(pre))
+            for i, (d, k) in enumerate([(None, 0), (NGramDrafter(), 1), (NGramDrafter(), 4)])}
+    assert all(res.tokens == plain for res in speculative_bench.side_by_side(runs).values())
+
+
+def test_methods_sharing_one_drafter_object_are_refused_before_any_step(tiny):
+    shared = NGramDrafter()
+    with pytest.raises(ValueError, match="one drafter object for several runs"):
+        speculative_bench.run_methods(tiny, _prompts()[:2], [("ngram", lambda: shared, 1),
+                                                             ("ngram", lambda: shared, 2)],
+                                      max_new_tokens=4, eos_token_ids=[], warmup=False)

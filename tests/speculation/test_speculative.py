@@ -466,10 +466,10 @@ def _sweep_rows(batches=(1, 4), category_speedup=1.8):
 
 
 def test_goals_the_run_could_not_measure_are_not_measured():
-    from decodelab.speculation import bench as speculative_bench
+    from decodelab.speculation import sweep_goals
 
     rows = [r for r in _sweep_rows() if r["k"] != "adaptive"]
-    goals = {g.name: g for g in speculative_bench.speculation_goals(rows, drafters=["ngram"], grid_category="chat")}
+    goals = {g.name: g for g in sweep_goals.speculation_goals(rows, drafters=["ngram"], grid_category="chat")}
     assert set(goals) == {"ngram_speedup_b1_code", "ngram_ours_over_hf_prompt_lookup",
                           "adaptive_vs_plain_at_largest_batch_ngram", "adaptive_fraction_of_best_fixed_k_b1_ngram",
                           "roofline_heldout_error", "adaptive_vs_plain_every_batch_ngram",
@@ -479,11 +479,11 @@ def test_goals_the_run_could_not_measure_are_not_measured():
 
 
 def test_goals_are_judged_against_their_targets_from_the_sweep():
-    from decodelab.speculation import bench as speculative_bench
+    from decodelab.speculation import sweep_goals
 
     hf = [{"impl": "ours", "method": "ngram", "tokens_per_s": 30.0},
           {"impl": "hf", "method": "ngram", "tokens_per_s": 20.0}]
-    goals = {g.name: g for g in speculative_bench.speculation_goals(
+    goals = {g.name: g for g in sweep_goals.speculation_goals(
         _sweep_rows(), drafters=["ngram"], grid_category="code_edit", hf_rows=hf, heldout_error=0.2, insample_error=0.1,
         n_heldout=3)}
     assert goals["ngram_speedup_b1_code"].value == pytest.approx(1.8) and goals["ngram_speedup_b1_code"].met is True
@@ -496,12 +496,12 @@ def test_goals_are_judged_against_their_targets_from_the_sweep():
 
 
 def test_trend_sentences_say_falls_only_when_the_speedup_falls_with_batch():
-    from decodelab.speculation import bench as speculative_bench
+    from decodelab.speculation import sweep_goals
 
     rows = [{"drafter": "a", "batch": 1, "speedup": 1.5}, {"drafter": "a", "batch": 4, "speedup": 0.8},
             {"drafter": "b", "batch": 1, "speedup": 0.9}, {"drafter": "b", "batch": 4, "speedup": 1.1},
             {"drafter": "c", "batch": 1, "speedup": 1.2}]
-    a, b, c = speculative_bench.trend_sentences(rows)
+    a, b, c = sweep_goals.trend_sentences(rows)
     assert "falls at every larger batch" in a and "1.50x at batch 1" in a and "above plain (> 1x) at batch 1." in a
     assert "rises at every larger batch" in b and "falls" not in b
     assert "batch 1 only" in c

@@ -175,3 +175,15 @@ def _fill_below_(out: torch.Tensor, x: torch.Tensor, thr: torch.Tensor, value: f
 def _mask_below_(x: torch.Tensor, thr: torch.Tensor) -> None:
     """In place: x[x < thr] = -inf, (B, V) and (B, 1) (numpy promotes the compare as torch does)."""
     _fill_below_(x, x, thr, NEG_INF)
+
+
+def chosen_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, V), (B,) -> (B,): log softmax(logits)[token], in float32."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+def pick_tokens(logits: torch.Tensor, sampler, generator) -> torch.Tensor:
+    """(B, V) -> (B,): greedy argmax without a sampler, else the sampler's draw."""
+    if sampler is None:
+        return argmax_rows(logits)
+    return sampler.sample(logits, generator)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from decodelab.core.decode_stats import DecodeStats, GenerationResult
+from decodelab.core.draw import chosen_logprob, pick_tokens  # noqa: F401  (engine.pick_tokens: public here too)
 from decodelab.core.kv_cache import KVCache
-from decodelab.core.sampling import argmax_rows
+from decodelab.core.loop_policy import Feed, LoopPolicy, PolicyBase  # noqa: F401  (engine.Feed etc.: public here)
 from decodelab.core.static_step import static_step_for
 from decodelab.core.transformer import Transformer
 from decodelab.core.verify_width import pad_tokens, padded_width
@@ -116,64 +115,6 @@ def validate_generation_args(prompts, max_new_tokens: int) -> None:
 
 
 # -- the token loop ------------------------------------------------------------------------------------
-@dataclass
-class Feed:
-    """One forward's input, chosen by the policy: tokens (B', T) of the batch's current rows.
-
-    mode "step": T = 1, logits (B', V); "all": every row feeds T, logits (B', T, V) (a verify step);
-    "last": row i feeds n_new[i] (0 allowed), logits at its last token (B', V). return_hidden: also the
-    final-normed hidden states (B', T, E).
-    """
-
-    tokens: torch.Tensor
-    mode: str = "step"
-    n_new: torch.Tensor | None = None
-    return_hidden: bool = False
-
-
-class LoopPolicy(Protocol):
-    """What makes a decoder: the hooks `run_loop` calls. `emitted` maps a row (its index in the prompts) to
-    the tokens it produced this step; the engine cuts them at EOS / max_new_tokens and appends forced ones.
-
-    first(loop, logits (B, V) at each prompt's last token) -> emitted: each row's first token(s).
-    feed(loop) -> Feed: what every current batch row feeds (pending tokens, drafts, forced tokens).
-    accept(loop, logits, hidden) -> emitted after the forward (rolling the cache back past rejected drafts).
-    stopped(loop, row) -> bool: the row ends after this step's tokens (a grammar terminated, JSON closed).
-    end_step(loop): after a step's bookkeeping (policy updates, parking finished rows).
-    extra: cache room beyond the longest prompt + max_new_tokens; compact: drop finished rows from the
-    batch once a quarter of it finished (else they ride along, as shared random streams need).
-    """
-
-    extra: int
-    compact: bool
-
-    def first(self, loop: "TokenLoop", logits: torch.Tensor) -> dict[int, list[int]]: ...
-
-    def feed(self, loop: "TokenLoop") -> Feed: ...
-
-    def accept(self, loop: "TokenLoop", logits: torch.Tensor, hidden) -> dict[int, list[int]]: ...
-
-    def stopped(self, loop: "TokenLoop", row: int) -> bool: ...
-
-    def end_step(self, loop: "TokenLoop") -> None: ...
-
-
-class PolicyBase:
-    """Defaults of a `LoopPolicy`: no extra cache room, finished rows ride along, accept picks like first,
-    no row-level stop, nothing after a step."""
-
-    extra, compact = 0, False
-
-    def accept(self, loop: "TokenLoop", logits: torch.Tensor, hidden) -> dict[int, list[int]]:
-        return self.first(loop, logits)
-
-    def stopped(self, loop: "TokenLoop", row: int) -> bool:
-        return False
-
-    def end_step(self, loop: "TokenLoop") -> None:
-        pass
-
-
 class TokenLoop:
     """Per-row state of one generation: emitted tokens, finished rows, a forced-token queue per row.
 
@@ -286,11 +227,28 @@ class TokenLoop:
         return logits, hidden
 
 
+def run_loop(*args, **kwargs) -> TokenLoop:
+    """THE token loop, run to the end: `iter_loop`'s arguments -> the finished TokenLoop."""
+    return drive(iter_loop(*args, **kwargs))
+
+
+def drive(steps):
+    """Run a step generator (`iter_loop`, `speculation.decode.generate_steps`) to its end -> its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
 @torch.no_grad()
-def run_loop(model, prompts: list[list[int]], policy: LoopPolicy, *, max_new_tokens: int, stats: DecodeStats,
-             eos_token_ids: list[int] | None = None, sampler=None, generator=None, prefilled=None,
-             progress: bool = False, desc: str = "decode", compile: bool = False, widths=None) -> TokenLoop:
+def iter_loop(model, prompts: list[list[int]], policy: LoopPolicy, *, max_new_tokens: int, stats: DecodeStats,
+              eos_token_ids: list[int] | None = None, sampler=None, generator=None, prefilled=None,
+              progress: bool = False, desc: str = "decode", compile: bool = False, widths=None):
     """THE token loop: prefill -> policy.first -> [feed -> forward -> accept -> record] until every row is done.
+
+    A generator: it yields (None) after each timed step and returns the finished TokenLoop, so a benchmark
+    can interleave several decodes step by step (`speculation.bench.run_methods`); `run_loop` runs it out.
 
     compile: one-token "step" feeds on a plain KVCache run the static-shape step (`core.static_step`),
     compiled with torch.compile; where no compiler works, a warning and the same step eagerly
@@ -331,6 +289,7 @@ def run_loop(model, prompts: list[list[int]], policy: LoopPolicy, *, max_new_tok
         stats.step_s.append(time.perf_counter() - start)
         if bar is not None:
             bar.update(max(0, max(map(len, loop.tokens)) - bar.n))
+        yield
     if bar is not None:
         bar.close()
     stats.new_tokens = sum(map(len, loop.tokens))
@@ -386,15 +345,3 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampl
     status = loop.static_step.status() if loop.static_step is not None else None
     return GenerationResult(tokens=loop.tokens, stats=stats, finished=loop.finished, logprobs=logprobs,
                             compile=status)
-
-
-def chosen_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(B, V), (B,) -> (B,): log softmax(logits)[token], in float32."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
-
-
-def pick_tokens(logits: torch.Tensor, sampler, generator) -> torch.Tensor:
-    """(B, V) -> (B,): greedy argmax without a sampler, else the sampler's draw."""
-    if sampler is None:
-        return argmax_rows(logits)
-    return sampler.sample(logits, generator)

@@ -135,12 +135,21 @@ def _check_k(k) -> None:
         raise ValueError(f"k={k!r} must be an int >= 0 (0 = plain decoding) or an AdaptivePolicy")
 
 
+def generate(*args, **kwargs) -> SpecResult:
+    """Speculative decoding run to the end: `generate_steps`' arguments -> its SpecResult."""
+    return engine.drive(generate_steps(*args, **kwargs))
+
+
 @torch.inference_mode()
-def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | None = None, *, k=4,
-             max_new_tokens: int = 64, sampler=None, generator: torch.Generator | list[torch.Generator] | None = None,
-             eos_token_ids: list[int] | None = None, prefilled: Prefilled | None = None,
-             progress: bool = False, name: str | None = None) -> SpecResult:
-    """Batched speculative decoding: draft k tokens per row, verify them in one target step, keep the
+def generate_steps(model, prompts: list[list[int]] | None = None, drafter: Drafter | None = None, *, k=4,
+                   max_new_tokens: int = 64, sampler=None,
+                   generator: torch.Generator | list[torch.Generator] | None = None,
+                   eos_token_ids: list[int] | None = None, prefilled: Prefilled | None = None,
+                   progress: bool = False, name: str | None = None):
+    """A generator over the steps of one speculative decode (yields after each timed step; returns the
+    SpecResult), so runs can be interleaved step by step (`bench.run_methods`); `generate` runs it out.
+
+    Batched speculative decoding: draft k tokens per row, verify them in one target step, keep the
     accepted prefix (+ correction or bonus token) per row, truncate the rest of the KV cache.
 
     model: LoadedModel or Transformer (the target). drafter: any `Drafter` (None -> plain decoding).
@@ -153,7 +162,7 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
     prefilled: a `Prefilled` of the same prompts to reuse (its cache is truncated back to the prompts).
     name: the label in SpecStats.drafter (default: the drafter's name, "plain" without one).
     Greedy output equals plain greedy decoding token for token; sampled output has the target's law.
-    The loop is the engine's (`engine.run_loop`); this module contributes the `SpeculativePolicy`.
+    The loop is the engine's (`engine.iter_loop`); this module contributes the `SpeculativePolicy`.
     """
     policy = k if hasattr(k, "choose_k") else None
     if policy is None:
@@ -182,7 +191,7 @@ def generate(model, prompts: list[list[int]] | None = None, drafter: Drafter | N
     stats = SpecStats(batch_size=len(prompts), prompt_tokens=sum(map(len, prompts)),
                       drafter=name or getattr(drafter, "name", "plain"), prefill_s=prefilled.prefill_s)
     spec = SpeculativePolicy(drafter, k, policy, prefilled, stats, sampler, generator)
-    loop = engine.run_loop(tr, prompts, spec, max_new_tokens=max_new_tokens, stats=stats,
-                           eos_token_ids=eos_token_ids, prefilled=(prefilled.cache, prefilled.last_logits),
-                           progress=progress, desc=stats.drafter)
+    loop = yield from engine.iter_loop(tr, prompts, spec, max_new_tokens=max_new_tokens, stats=stats,
+                                       eos_token_ids=eos_token_ids, prefilled=(prefilled.cache, prefilled.last_logits),
+                                       progress=progress, desc=stats.drafter)
     return SpecResult(tokens=loop.tokens, stats=stats, finished=loop.finished)
