@@ -97,12 +97,14 @@ def verify_step(model, cache: KVCache, tokens: torch.Tensor, *, layers=None, ret
     n_tokens, width = tokens.shape[1], padded_width(tokens.shape[1], widths, cache)
     if width == n_tokens:
         return extend(model, cache, tokens, layers=layers, logits_at="all", return_hidden=return_hidden)
-    # the plain causal forward at W (a ragged n_new takes the slower masked path), rolled back to T after
+    # the plain causal forward at W (a ragged n_new takes the slower masked path), rolled back to T after; the
+    # LM head runs at W rows too: at T rows it would pay the very matmul-shape penalty the padding avoids
+    # (measured: a padded T=2 verify unembedding 2 rows took 57 ms where the same forward at W=6 took 37)
     advanced = cache.lengths + n_tokens
-    _, hidden = extend(model, cache, pad_tokens(tokens, width), layers=layers, logits_at="none", return_hidden=True)
+    logits, hidden = extend(model, cache, pad_tokens(tokens, width), layers=layers, logits_at="all",
+                            return_hidden=True)
     cache.truncate(advanced)
-    hidden = hidden[:, :n_tokens]  # the padded positions never reach the LM head
-    logits = as_transformer(model).unembed(hidden)
+    logits, hidden = logits[:, :n_tokens], hidden[:, :n_tokens]
     return (logits, hidden) if return_hidden else logits
 
 
@@ -320,11 +322,17 @@ class SamplePolicy(PolicyBase):
         return [float(table[row, : len(toks)].sum()) for row, toks in enumerate(loop.tokens)]
 
 
+def generate(*args, **kwargs) -> GenerationResult:
+    """Plain decoding run to the end: `generate_steps`' arguments -> its GenerationResult."""
+    return drive(generate_steps(*args, **kwargs))
+
+
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampler=None, generator=None,
-             eos_token_ids: list[int] | None = None, progress: bool = False, prefilled=None,
-             return_logprobs: bool = False, compile: bool = False) -> GenerationResult:
-    """Batched decoding of ragged prompts with a KV cache (`run_loop` with a `SamplePolicy`).
+def generate_steps(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampler=None, generator=None,
+                   eos_token_ids: list[int] | None = None, progress: bool = False, prefilled=None,
+                   return_logprobs: bool = False, compile: bool = False):
+    """Batched decoding of ragged prompts with a KV cache (`iter_loop` with a `SamplePolicy`), as a generator
+    over its steps (returns the GenerationResult) so a benchmark can step it beside another decode.
 
     sampler: a `decodelab.core.sampling.Sampler` (None = greedy argmax); generator: torch.Generator or a list
     of one per row. eos_token_ids: tokens that end a row (default: the model's; [] = never stop early).
@@ -339,8 +347,9 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int = 64, sampl
     validate_generation_args(prompts, max_new_tokens)
     stats = DecodeStats(batch_size=len(prompts), prompt_tokens=sum(len(p) for p in prompts))
     policy = SamplePolicy(return_logprobs)
-    loop = run_loop(model, prompts, policy, max_new_tokens=max_new_tokens, stats=stats, eos_token_ids=eos_token_ids,
-                    sampler=sampler, generator=generator, prefilled=prefilled, progress=progress, compile=compile)
+    loop = yield from iter_loop(model, prompts, policy, max_new_tokens=max_new_tokens, stats=stats,
+                                eos_token_ids=eos_token_ids, sampler=sampler, generator=generator, prefilled=prefilled,
+                                progress=progress, compile=compile)
     logprobs = policy.row_logprobs(loop) if return_logprobs else None
     status = loop.static_step.status() if loop.static_step is not None else None
     return GenerationResult(tokens=loop.tokens, stats=stats, finished=loop.finished, logprobs=logprobs,

@@ -181,37 +181,40 @@ def k0_overhead(model, prompts: list[list[int]], make_drafter, make_policy, *, m
 
     make_policy(batch) -> a policy that decides every step (its decision time is inside the step clock)
     and chooses k = 0 (e.g. a RowBudgetPolicy on a step-time model where speculation never pays); the
-    drafter keeps its state. Both decode the same prompts from the same prefilled cache (truncated back to
-    the prompts before each run: the same memory, so the two forwards read identical tensors), greedy,
-    `repeats` interleaved rounds (order alternating). The prefill is not timed.
+    drafter keeps its state. Both decode the same prompts from copies of one prefilled cache, greedy,
+    `repeats` rounds, stepped side by side within a round (`side_by_side`, which of the two steps first
+    alternating by round), so the machine's drift lands on both alike. The prefill is not timed.
 
-    The cost of each side is the sum over steps of that step's fastest time across the rounds: step i reads
-    the same context on both sides (k = 0 advances every row one token a step), and background load only adds
-    time, so the per-step minimum discards a burst that hit one step of one round instead of the whole run
-    (a 1% question on a machine whose whole-run times wander by 5-10%). The whole-run fastest decode is
-    reported beside it (`overhead_whole_run`). prefilled: a `decode.prefill` of these prompts to reuse (the
-    sweep's), None = prefill here. -> {overhead: k0_s / plain_s - 1, plain_s, k0_s (per-step minima summed),
-    overhead_whole_run, repeats, steps, nonzero_k_steps (must be 0), same_tokens, policy_s (the k0 run's own
-    decision seconds)}.
+    `overhead` is the geometric mean over rounds of the paired ratio k0 decode seconds / plain decode seconds
+    of the same round, minus 1 (a 1% question on a machine whose whole runs wander by 5-10% from one run to
+    the next: side by side, three rounds gave -1.0%, +0.2%, +1.2% here, where the per-step minima over the
+    rounds, summed, gave -0.1% to +5.0%; both are reported). prefilled: a `decode.prefill` of these prompts
+    to reuse (the sweep's), None = prefill here. -> {overhead, round_overheads, plain_s, k0_s (per-step minima
+    summed), overhead_stepwise_min: k0_s / plain_s - 1, overhead_whole_run (fastest run over fastest run),
+    repeats, steps, nonzero_k_steps (must be 0), same_tokens, policy_s (the k0 run's own decision seconds)}.
     """
     from decodelab.core import engine
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an int >= 1")
     pre = prefilled if prefilled is not None else prefill(model, prompts, max_new_tokens=max_new_tokens)
+    spec_pre = own_cache(pre)  # the two runs are alive at once: one cache each
     runs: dict[int, list] = {0: [], 1: []}
     for rnd in range(repeats):
-        for which in ((0, 1) if rnd % 2 == 0 else (1, 0)):
-            if which == 0:
-                pre.cache.truncate(pre.prompt_lengths.clone())
-                runs[0].append(engine.generate(model, prompts, max_new_tokens=max_new_tokens,
-                                               eos_token_ids=eos_token_ids, prefilled=(pre.cache, pre.last_logits)))
-            else:
-                runs[1].append(generate(model, drafter=make_drafter(), k=make_policy(len(prompts)), prefilled=pre,
-                                        max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids))
+        pre.cache.truncate(pre.prompt_lengths.clone())
+        steppers = {0: engine.generate_steps(model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                                             prefilled=(pre.cache, pre.last_logits)),
+                    1: generate_steps(model, drafter=make_drafter(), k=make_policy(len(prompts)), prefilled=spec_pre,
+                                      max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)}
+        order = (0, 1) if rnd % 2 == 0 else (1, 0)
+        for side, result in side_by_side({side: steppers[side] for side in order}).items():
+            runs[side].append(result)
     plain_s, k0_s = (stepwise_min_seconds([r.stats.step_s for r in runs[side]]) for side in (0, 1))
     plain_best, spec_best = (min(runs[side], key=lambda r: r.stats.decode_s) for side in (0, 1))
-    return {"batch": len(prompts), "overhead": k0_s / plain_s - 1.0, "plain_s": plain_s, "k0_s": k0_s,
+    paired = np.array([k0.stats.decode_s / plain.stats.decode_s for plain, k0 in zip(runs[0], runs[1])])
+    return {"batch": len(prompts), "overhead": float(np.exp(np.log(paired).mean())) - 1.0,
+            "round_overheads": (paired - 1.0).tolist(), "plain_s": plain_s, "k0_s": k0_s,
+            "overhead_stepwise_min": k0_s / plain_s - 1.0,
             "overhead_whole_run": spec_best.stats.decode_s / plain_best.stats.decode_s - 1.0,
             "repeats": repeats, "steps": len(spec_best.stats.step_k),
             "nonzero_k_steps": sum(k > 0 for r in runs[1] for k in r.stats.step_k),

@@ -72,7 +72,7 @@ def speculation_goals(rows: list[dict], *, drafters, grid_category: str, hf_rows
     out.append(goal("k0_overhead", None if k0 is None else k0["overhead"], unit="%",
                     label="all-k=0 speculative decode time over engine.generate's (same prompts)",
                     note="the k=0 benchmark did not run" if k0 is None
-                    else f"batch {k0['batch']}, fastest of {k0['repeats']} interleaved rounds each"))
+                    else f"batch {k0['batch']}, geometric mean of {k0['repeats']} paired rounds stepped side by side"))
     insample = "n/a" if insample_error is None else f"{insample_error:.0%}"
     out.append(goal("roofline_heldout_error", heldout_error, unit="%",
                     label="roofline median relative error on held-out cells",
