@@ -1,14 +1,12 @@
 """What a decoder plugs into THE token loop (`core.engine.iter_loop`): the `Feed` a policy asks a forward for,
-the `LoopPolicy` hooks the loop calls, and `PolicyBase`'s defaults. `core.engine` re-exports all three."""
+the `LoopPolicy` hooks the loop calls, and `PolicyBase`'s defaults. `core.engine` re-exports all three. Every
+hook's `loop` is the engine's `TokenLoop` (not imported here: the two modules would import each other)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from decodelab.core.engine import TokenLoop
 
 
 @dataclass
@@ -42,15 +40,15 @@ class LoopPolicy(Protocol):
     extra: int
     compact: bool
 
-    def first(self, loop: "TokenLoop", logits: torch.Tensor) -> dict[int, list[int]]: ...
+    def first(self, loop, logits: torch.Tensor) -> dict[int, list[int]]: ...
 
-    def feed(self, loop: "TokenLoop") -> Feed: ...
+    def feed(self, loop) -> Feed: ...
 
-    def accept(self, loop: "TokenLoop", logits: torch.Tensor, hidden) -> dict[int, list[int]]: ...
+    def accept(self, loop, logits: torch.Tensor, hidden) -> dict[int, list[int]]: ...
 
-    def stopped(self, loop: "TokenLoop", row: int) -> bool: ...
+    def stopped(self, loop, row: int) -> bool: ...
 
-    def end_step(self, loop: "TokenLoop") -> None: ...
+    def end_step(self, loop) -> None: ...
 
 
 class PolicyBase:
@@ -59,11 +57,11 @@ class PolicyBase:
 
     extra, compact = 0, False
 
-    def accept(self, loop: "TokenLoop", logits: torch.Tensor, hidden) -> dict[int, list[int]]:
+    def accept(self, loop, logits: torch.Tensor, hidden) -> dict[int, list[int]]:
         return self.first(loop, logits)
 
-    def stopped(self, loop: "TokenLoop", row: int) -> bool:
+    def stopped(self, loop, row: int) -> bool:
         return False
 
-    def end_step(self, loop: "TokenLoop") -> None:
+    def end_step(self, loop) -> None:
         pass
