@@ -236,11 +236,21 @@ def run_loop(*args, **kwargs) -> TokenLoop:
 
 def drive(steps):
     """Run a step generator (`iter_loop`, `speculation.decode.generate_steps`) to its end -> its return value."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
+    return side_by_side({0: steps})[0]
+
+
+def side_by_side(runs: dict) -> dict:
+    """{key: step generator} -> {key: its return value}, advancing the live generators one step each in
+    turn (in the dict's order) until all have returned."""
+    live, out = dict(runs), {}
+    while live:
+        for key in list(live):
+            try:
+                next(live[key])
+            except StopIteration as stop:
+                out[key] = stop.value
+                del live[key]
+    return out
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from decodelab.common.timing import timed
-from decodelab.core.engine import as_transformer, drive, verify_step
+from decodelab.core.engine import as_transformer, drive, side_by_side, verify_step  # noqa: F401  (bench.side_by_side)
 from decodelab.speculation.decode import Prefilled, SpecStats, generate, generate_steps, prefill
 from decodelab.speculation.speedup_stats import pooled_speedup_intervals, round_rates
 
@@ -149,20 +149,6 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
 def own_cache(pre: Prefilled) -> Prefilled:
     """`pre` with a copy of its KV cache: the same prompts and logits, a cache no other run writes to."""
     return dataclasses.replace(pre, cache=pre.cache.select(torch.arange(pre.cache.batch_size)))
-
-
-def side_by_side(runs: dict) -> dict:
-    """{key: step generator} -> {key: its return value}, advancing the live generators one step each in
-    turn (in the dict's order) until all have returned."""
-    live, out = dict(runs), {}
-    while live:
-        for key in list(live):
-            try:
-                next(live[key])
-            except StopIteration as stop:
-                out[key] = stop.value
-                del live[key]
-    return out
 
 
 def stepwise_min_seconds(step_times: list[list[float]]) -> float:
