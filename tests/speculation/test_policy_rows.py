@@ -280,3 +280,46 @@ def test_methods_sharing_one_drafter_object_are_refused_before_any_step(tiny):
         speculative_bench.run_methods(tiny, _prompts()[:2], [("ngram", lambda: shared, 1),
                                                              ("ngram", lambda: shared, 2)],
                                       max_new_tokens=4, eos_token_ids=[], warmup=False)
+
+
+class _FixedRows(RowBudgetPolicy):
+    """Verifies one draft per live row at every step and records the free evidence each step hands back."""
+
+    def __init__(self):
+        super().__init__(lambda b, n, s: 1.0)
+        self.evidence = []
+
+    def choose_rows(self, active, *, context, caps=None):
+        return active.long()
+
+    def update_rows(self, row_k, n_accepted, active, *, free=None, **kwargs):
+        self.evidence.append((row_k.clone(), n_accepted.clone(), free))
+        super().update_rows(row_k, n_accepted, active, free=free, **kwargs)
+
+
+class _Wrong(_Copier):
+    """The copier's drafts with every second row's first draft replaced by a token the target never picks."""
+
+    def _propose(self, ctx, k):
+        proposal = super()._propose(ctx, k)
+        proposal.tokens[1::2, 0] = 0
+        return proposal
+
+
+@pytest.mark.parametrize("drafter", [_Copier, _Wrong])
+def test_free_evidence_scores_the_first_unverified_draft_of_rows_that_accepted_all_they_verified(tiny, drafter):
+    prompts = _prompts()
+    ref = engine.generate(tiny, prompts, max_new_tokens=10, eos_token_ids=[])
+    policy = _FixedRows()
+    out = speculative.generate(tiny, prompts, drafter(prompts, ref.tokens), k=policy, max_new_tokens=10,
+                               eos_token_ids=[])
+    assert out.tokens == ref.tokens
+    assert policy.evidence and all(free is not None for _, _, free in policy.evidence)
+    for row_k, n, (scored, hit) in policy.evidence:
+        rejected = n < row_k  # the emitted token is then a correction, not the target's pick past the draft
+        assert not bool(scored[rejected].any())
+        if drafter is _Copier:  # every draft is the target's continuation: each row that could be scored was hit
+            assert torch.equal(scored, hit)
+        else:  # odd rows always reject their first draft; even rows are exact copies
+            assert not bool(scored[1::2].any()) and torch.equal(scored[0::2], hit[0::2])
+    assert any(bool(scored.any()) for _, _, (scored, _) in policy.evidence)
