@@ -323,19 +323,3 @@ def test_free_evidence_scores_the_first_unverified_draft_of_rows_that_accepted_a
         else:  # odd rows always reject their first draft; even rows are exact copies
             assert not bool(scored[1::2].any()) and torch.equal(scored[0::2], hit[0::2])
     assert any(bool(scored.any()) for _, _, (scored, _) in policy.evidence)
-
-
-def test_streaky_rows_are_modelled_by_a_first_draft_rate_and_a_streak_rate():
-    # row 0: its first draft fails every other step, and once it holds the whole streak of 4 does;
-    # row 1: every draft holds with probability 1/2 independently of the ones before it (a geometric row)
-    policy = RowBudgetPolicy(lambda b, n, s: 1.0, prior_strength=1e-6, decay=1.0)
-    policy.begin(2)
-    ones = torch.ones(2, dtype=torch.bool)
-    for n0, n1 in [(0, 0), (4, 1), (0, 3), (4, 0)] * 50:
-        policy.update_rows(torch.tensor([4, 4]), torch.tensor([n0, n1]), ones, step_s=1.0, draft_s=0.0)
-    gains = policy.row_gains(np.ones(2, dtype=bool), None)
-    assert gains[0] == pytest.approx([0.5] * 8, abs=5e-3)  # (the streak rate is clipped at 0.999)
-    # row 1 accepted its first draft in 2 of 4 steps, and 2 of the 4 drafts it reached after an accepted one
-    assert gains[1, :3] == pytest.approx([0.5, 0.25, 0.125], abs=1e-3)
-    # one geometric rate fitted to row 0 (8 accepted of 10 reached) would promise 0.8 from a first draft
-    assert policy.row_acceptance()[0] == pytest.approx(0.5, abs=1e-3)

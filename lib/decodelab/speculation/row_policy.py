@@ -1,18 +1,14 @@
 """Per-row draft lengths under one batch verify budget: each row's k from its own running acceptance, the
 step's width from the step-time model's marginal goodput (TETRIS, ACL 2025; SmartSpec's goodput).
 
-Row b's drafts are accepted one after another: its first with probability a_b, each later one (given the ones
-before it were accepted) with probability c_b, so its j-th draft yields a_b c_b^(j-1) expected tokens. Two
-rates, not one geometric a_b: drafts come in streaks (an n-gram that matched once tends to go on matching on
-copied text), so the first draft of a step is a worse bet than the fourth one of a streak, and one rate fitted
-to both would over-promise shallow drafts (k = 1, all a compute-bound batch can afford) and under-promise
-deep ones. A step verifying per-row k_b costs T(B, w, S) with w = max_b k_b + 1
+Row b's drafts are accepted one after another with probability a_b each (a geometric model), so its j-th
+draft yields a_b^j expected tokens. A step verifying per-row k_b costs T(B, w, S) with w = max_b k_b + 1
 (the engine pads every row to the widest: a row with k_b < w - 1 verifies padding that is rejected) plus
 w - 1 drafted tokens. For each candidate width the step spends its verify budget (total verified tokens,
-sum_b (k_b + 1) <= budget) on the (row, j) drafts with the largest a_b c_b^(j-1): that greedy choice is optimal
+sum_b (k_b + 1) <= budget) on the (row, j) drafts with the largest a_b^j: that greedy choice is optimal
 because every row's gains fall with j. The width with the best goodput
 
-    goodput(w) = (n_active + sum of the chosen a_b c_b^(j-1)) / (r_{w-1} T(B, w, S) + (w - 1) t_draft)
+    goodput(w) = (n_active + sum of the chosen a_b^j) / (r_{w-1} T(B, w, S) + (w - 1) t_draft)
 
 wins if it beats plain decoding's n_active / (r_0 T(B, 1, S)) by more than `margin`; else every k_b = 0 and
 the step is a plain decode step. r_k corrects the model online from observed verify times (AdaptivePolicy).
@@ -44,8 +40,8 @@ class RowBudgetPolicy(AdaptivePolicy):
 
     verify_budget: most verified tokens per step (sum over active rows of k_b + 1), None = no limit; it
     must be >= the batch (every row verifies its pending token). min_gain: a draft whose expected yield
-    a_b c_b^(j-1) is below it is not verified (it would only spend budget). Each rate's pooled estimate (all
-    rows) is the prior of every row's; a row's own evidence decays by `decay` per step, so a row that
+    a_b^j is below it is not verified (it would only spend budget). The pooled acceptance (all rows) is
+    the prior of every row's estimate; a row's own evidence decays by `decay` per step, so a row that
     stopped drafting returns to the pooled estimate instead of being frozen at its last bad stretch.
     """
 
@@ -72,11 +68,9 @@ class RowBudgetPolicy(AdaptivePolicy):
         self.check_batch(batch_size)
         super().begin(batch_size)
         # numpy, not torch: these are a few dozen floats, and a decision must cost microseconds per step
-        # first drafts (a_b) and later drafts of a streak (c_b): per row, and pooled over the rows
-        self.row_reached, self.row_accepted = np.zeros(batch_size), np.zeros(batch_size)
-        self.row_deep_reached, self.row_deep_accepted = np.zeros(batch_size), np.zeros(batch_size)
+        self.row_reached = np.zeros(batch_size)
+        self.row_accepted = np.zeros(batch_size)
         self.pool_reached, self.pool_accepted = 0.0, 0.0
-        self.pool_deep_reached, self.pool_deep_accepted = 0.0, 0.0
         self._j = np.arange(1, max(max(self.ks), 1) + 1, dtype=float)
         self._widths = np.arange(1, max(max(self.ks), 1) + 2)
         self._seconds_at: tuple[float, np.ndarray] | None = None
@@ -99,31 +93,19 @@ class RowBudgetPolicy(AdaptivePolicy):
         return super().model_seconds_for(k, context)
 
     def pooled_acceptance(self) -> float:
-        """The first-draft rate over every row (the prior PRIOR_ACCEPTANCE before any evidence)."""
         s = self.prior_strength
         return (self.pool_accepted + s * PRIOR_ACCEPTANCE) / (self.pool_reached + s)
 
-    def pooled_depth_acceptance(self) -> float:
-        """The rate of a draft after accepted ones, over every row (the same prior)."""
-        s = self.prior_strength
-        return (self.pool_deep_accepted + s * PRIOR_ACCEPTANCE) / (self.pool_deep_reached + s)
-
     def row_acceptance(self) -> np.ndarray:
-        """(B,) a_b: each row's first-draft acceptance, shrunk towards the pooled estimate."""
+        """(B,) each row's per-token acceptance, shrunk towards the pooled estimate."""
         s = self.prior_strength
         return (self.row_accepted + s * self.pooled_acceptance()) / (self.row_reached + s)
 
-    def row_depth_acceptance(self) -> np.ndarray:
-        """(B,) c_b: each row's acceptance of a draft after accepted ones, shrunk towards the pooled estimate."""
-        s = self.prior_strength
-        return (self.row_deep_accepted + s * self.pooled_depth_acceptance()) / (self.row_deep_reached + s)
-
     def row_gains(self, active: np.ndarray, caps: np.ndarray | None) -> np.ndarray:
-        """(B, k_max) expected tokens of row b's j-th draft, a_b c_b^(j-1); 0 past caps[b] (real drafts), for
+        """(B, k_max) expected tokens of row b's j-th draft, a_b^j; 0 past caps[b] (real drafts), for
         finished rows and below min_gain."""
         a = np.clip(self.row_acceptance(), 0.0, 0.999)
-        c = np.clip(self.row_depth_acceptance(), 0.0, 0.999)
-        gains = a[:, None] * c[:, None] ** (self._j[None] - 1)
+        gains = a[:, None] ** self._j[None]
         usable = active[:, None] & (gains >= self.min_gain)
         if caps is not None:
             usable &= self._j[None] <= caps[:, None]
@@ -139,10 +121,10 @@ class RowBudgetPolicy(AdaptivePolicy):
         super().learn_time(k, verify_s, context)
         self._ratio_vector = None
 
-    def _best_rate(self, n_active: int, a: float, c: float, context: float) -> float:
-        """Upper bound of a step's goodput: every active row drafting at rates (a, c), within the budget."""
+    def _best_rate(self, n_active: int, a: float, context: float) -> float:
+        """Upper bound of a step's goodput: every active row drafting at acceptance a, within the budget."""
         k = self._j  # every width a step can take, not only the ks offered
-        run = n_active * (1 + a * k) if c >= 1 else n_active * (1 + a * (1 - c ** k) / (1 - c))
+        run = n_active * (1 + k) if a >= 1 else n_active * (1 + a * (1 - a ** k) / (1 - a))
         tokens = np.minimum(run, self.verify_budget if self.verify_budget is not None else np.inf)
         seconds = self._ratios()[1:] * self.model_seconds(context)[1:] + k * self.draft_s_per_token
         return float((tokens / seconds).max())
@@ -153,16 +135,15 @@ class RowBudgetPolicy(AdaptivePolicy):
         if n_active == 0:
             return False
         plain_rate = n_active / (self._ratios()[0] * self.model_seconds(context)[0])
-        return self._best_rate(n_active, 1.0, 1.0, context) > (1 + self.margin) * plain_rate
+        return self._best_rate(n_active, 1.0, context) > (1 + self.margin) * plain_rate
 
     def _could_pay(self, act: np.ndarray, n_active: int, plain_rate: float, context: float) -> bool:
-        """An upper bound first (every active row drafting at the best rows' rates, within the budget): when
-        no width beats plain decoding even so, the step is plain without any per-row work."""
+        """An upper bound first (every active row drafting at the best row's acceptance, within the budget):
+        when no width beats plain decoding even so, the step is plain without any per-row work."""
         if n_active == 0:
             return False
         a = float(np.clip(self.row_acceptance()[act].max(), 0.0, 0.999))
-        c = float(np.clip(self.row_depth_acceptance()[act].max(), 0.0, 0.999))
-        return self._best_rate(n_active, a, c, context) > (1 + self.margin) * plain_rate
+        return self._best_rate(n_active, a, context) > (1 + self.margin) * plain_rate
 
     def choose_rows(self, active: torch.Tensor, *, context: float, caps: torch.Tensor | None = None) -> torch.Tensor:
         """active (B,) bool, caps (B,) long or None (real drafts available per row) -> k_b (B,) long (CPU)."""
@@ -208,7 +189,7 @@ class RowBudgetPolicy(AdaptivePolicy):
 
         The engine pads every row to the widest, so a step of width w costs T(B, w) and w - 1 drafted
         tokens whatever each row verifies: a live row verifying fewer than w - 1 drafts forfeits their
-        expected yield a_b c_b^(j-1) > 0 for no saving. Only a binding verify budget makes narrowing rows pay."""
+        expected yield a_b^j > 0 for no saving. Only a binding verify budget makes narrowing rows pay."""
         depth = int(row_k.max())
         if depth == 0:
             return row_k
@@ -229,35 +210,26 @@ class RowBudgetPolicy(AdaptivePolicy):
         width = int(ks.max())
         if context is not None:
             self.learn_time(width, step_s - draft_s, context)
-        counts = (self.row_reached, self.row_accepted, self.row_deep_reached, self.row_deep_accepted)
-        for c in counts:
-            c *= self.decay
-        first_r, first_a, deep_r, deep_a = (np.zeros(len(ks)) for _ in range(4))
+        self.row_reached *= self.decay
+        self.row_accepted *= self.decay
+        reached = np.zeros(len(ks))
+        accepted = np.zeros(len(ks))
         if width > 0:
             drafted = active.cpu().numpy() & (ks > 0)
             n = n_accepted.cpu().numpy().astype(float)
-            # a row with k_b drafts reached min(n_b + 1, k_b) of them and accepted n_b: the first one, then
-            # the rest of the streak
-            first_r += drafted
-            first_a += drafted & (n >= 1)
-            deep_r += np.where(drafted, np.maximum(np.minimum(n + 1, ks) - 1, 0.0), 0.0)
-            deep_a += np.where(drafted, np.maximum(n - 1, 0.0), 0.0)
+            # a row with k_b drafts reached min(n_b + 1, k_b) of them and accepted n_b
+            reached += np.where(drafted, np.minimum(n + 1, ks), 0.0)
+            accepted += np.where(drafted, n, 0.0)
         if free is not None and self.free_evidence:
             scored, hit = (np.asarray(x.cpu().numpy() if torch.is_tensor(x) else x, dtype=bool) for x in free)
-            first = ks == 0  # the scored draft is a row's first when it verified none, else one past its streak
-            first_r += scored & first
-            first_a += scored & hit & first
-            deep_r += scored & ~first
-            deep_a += scored & hit & ~first
-        if width == 0 and not (first_r.any() or deep_r.any()):
+            reached += scored
+            accepted += scored & hit
+        if width == 0 and not reached.any():
             return
-        for c, new in zip(counts, (first_r, first_a, deep_r, deep_a)):
-            c += new
-        d = self.decay
-        self.pool_reached = self.pool_reached * d + float(first_r.sum())
-        self.pool_accepted = self.pool_accepted * d + float(first_a.sum())
-        self.pool_deep_reached = self.pool_deep_reached * d + float(deep_r.sum())
-        self.pool_deep_accepted = self.pool_deep_accepted * d + float(deep_a.sum())
+        self.row_reached += reached
+        self.row_accepted += accepted
+        self.pool_reached = self.pool_reached * self.decay + float(reached.sum())
+        self.pool_accepted = self.pool_accepted * self.decay + float(accepted.sum())
         if width == 0:
             return
         self._draft_seen += 1
