@@ -16,14 +16,12 @@ Once the width is chosen, live rows are filled up to it (`fill_to_width`): the p
 costs the same as drafts, so narrowing a row below the width pays only under a binding verify budget.
 
 Free evidence. A policy that only learns a_b from verified drafts and starts pessimistic never drafts again
-after one bad step (every later step is plain, so nothing is verified); one that verifies short drafts never
-learns how deep a row's drafts would hold. A cheap drafter (n-gram lookup) is therefore asked for its full
-depth at every step where drafting could pay at all (`worth_asking`: some width beats plain decoding even if
-every draft were accepted), and a row that accepted all k_b drafts it verified has its next real draft
-d_{k_b+1} scored against the token the step emitted there: that token is the target's own pick at that
-position (not a residual draw), so it equals a deterministic d with probability p(d), which is exactly d's
-acceptance probability min(1, p(d) / 1): an unbiased sample of the row's acceptance one position past what
-it verified, at no forward cost (`update_rows(free=...)`).
+after one bad step (every later step is plain, so nothing is verified). A cheap drafter (n-gram lookup) is
+therefore asked at every step where drafting could pay at all (`worth_asking`: some width beats plain
+decoding even if every draft were accepted); a row whose first real draft was not verified this step is
+scored against the token the step emitted instead: for a deterministic draft d_1 the target's token equals
+d_1 with probability p(d_1), which is exactly d_1's acceptance probability min(1, p(d_1) / 1), so the match
+is an unbiased sample of the row's first-position acceptance, at no forward cost (`update_rows(free=...)`).
 """
 from __future__ import annotations
 
@@ -48,7 +46,7 @@ class RowBudgetPolicy(AdaptivePolicy):
     def __init__(self, step_time, *, ks=K_CHOICES, verify_budget: int | None = None, min_gain: float = 0.05,
                  draft_s_per_token: float = 0.0, decay: float = 0.9, prior_strength: float = 2.0,
                  margin: float = 0.05, time_ema: float = 0.25, free_evidence: bool = True):
-        self.free_evidence = free_evidence  # learn from the first unverified draft (see the module docstring)
+        self.free_evidence = free_evidence  # learn from unverified first drafts (see the module docstring)
         if verify_budget is not None and (isinstance(verify_budget, bool) or not isinstance(verify_budget, int)
                                           or verify_budget < 1):
             raise ValueError(f"verify_budget={verify_budget!r} must be None (no limit) or an int >= the batch size")
@@ -204,8 +202,8 @@ class RowBudgetPolicy(AdaptivePolicy):
                     draft_s: float, context: float | None = None, free=None) -> None:
         """After a step that verified row_k (B,) drafts per row (n_accepted (B,) kept) in step_s seconds.
 
-        free: None or (scored (B,) bool, hit (B,) bool): rows that accepted every draft they verified and hold a
-        real draft past them, and whether it equals the token the step emitted (free evidence, see above)."""
+        free: None or (scored (B,) bool, hit (B,) bool): rows whose first real draft was not verified this
+        step and whether it equals the token the step emitted (free first-position evidence, see above)."""
         ks = row_k.cpu().numpy()
         width = int(ks.max())
         if context is not None:

@@ -161,12 +161,12 @@ class SpeculativePolicy(PolicyBase):
         else:
             self.context = self.old.float().mean().item()
             if self.per_row and self.cheap and self._worth_asking(n_active):
-                # the drafts cost ~nothing: the policy decides on each row's real drafts (caps), and a row's
-                # first draft past those it verified is scored against the emitted token (free evidence)
+                # the drafts cost ~nothing: the policy decides on each row's real drafts (caps), and a row
+                # whose first draft goes unverified is scored against the emitted token (free evidence)
                 proposal = self._propose(loop, max(self.policy.ks))
-                real = (proposal.lengths if proposal.lengths is not None
-                        else torch.full((proposal.tokens.shape[0],), proposal.k, dtype=torch.long))
-                self.free_drafts = (proposal.tokens.cpu(), real.cpu())
+                real = (proposal.lengths > 0 if proposal.lengths is not None
+                        else torch.ones(proposal.tokens.shape[0], dtype=torch.bool))
+                self.free_drafts = (proposal.tokens[:, 0].cpu(), real.cpu())
                 step_k = self._choose(loop, n_active, caps=proposal.lengths)
             else:
                 step_k = self._choose(loop, n_active)
@@ -229,21 +229,13 @@ class SpeculativePolicy(PolicyBase):
         return emitted
 
     def _free_evidence(self, row_k: torch.Tensor):
-        """(scored (B,), hit (B,)) bool: active rows that accepted all k_b drafts they verified and hold a real
-        draft k_b + 1 this step did not verify, and whether that draft equals the token the step emitted there.
-
-        Why it is evidence: after k_b accepted drafts the emitted token is the target's own pick at position
-        k_b + 1 (greedy: its argmax; sampling: a draw from p, not from a residual), so it equals a deterministic
-        draft d with probability p(d), which is d's acceptance probability min(1, p(d) / 1). A row that
-        rejected a draft emitted a residual draw instead and is not scored. k_b = 0 (a plain step for the row)
-        scores its first draft."""
+        """(scored (B,), hit (B,)) bool: active rows with a real first draft that this step did not verify,
+        and whether it equals the token the step emitted there (its next token: n_b = 0 for such a row)."""
         if self.free_drafts is None:
             return None
-        drafts, real = self.free_drafts
-        position = row_k.clamp(max=drafts.shape[1] - 1)
-        scored = (real > row_k) & self.active.cpu() & (self.n.cpu() == row_k)
-        unverified = drafts.gather(1, position[:, None])[:, 0]
-        return scored, scored & (unverified == self.next.cpu())
+        first, real = self.free_drafts
+        scored = real & self.active.cpu() & (row_k == 0)
+        return scored, scored & (first == self.next.cpu())
 
     def end_step(self, loop: TokenLoop) -> None:
         if self.step_k is None:  # after the prefill: nothing was drafted yet
