@@ -61,12 +61,13 @@ def prefill(model, prompts: list[list[int]], *, max_new_tokens: int, extra: int 
 
 
 def extend(model, cache, tokens: torch.Tensor, *, n_new: torch.Tensor | None = None, layers=None,
-           logits_at: str = "all", return_hidden: bool = False):
+           logits_at: str = "all", return_hidden: bool = False, rows: torch.Tensor | None = None):
     """Append tokens (B, T) to each row of `cache` (n_new (B,) valid per row, right padding past it is scratch)
     and score them: the one way research code runs the model forward. logits_at: "all" (B, T, V), "last"
-    (B, V) at each row's last valid token, "none". With return_hidden also the final-normed hidden (B, T, E)."""
+    (B, V) at each row's last valid token, "none". With return_hidden also the final-normed hidden (B, T, E).
+    rows: only these rows' outputs are computed (`Transformer.forward`); the others' logits are zeros."""
     return as_transformer(model).forward(tokens, cache, n_new=n_new, layers=layers, logits_at=logits_at,
-                                         return_hidden=return_hidden)
+                                         return_hidden=return_hidden, rows=rows)
 
 
 def extend_last(model, cache, tokens: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
@@ -87,22 +88,23 @@ def decode_step(model, cache: KVCache, tokens: torch.Tensor, *, layers=None) -> 
 
 
 def verify_step(model, cache: KVCache, tokens: torch.Tensor, *, layers=None, return_hidden: bool = False,
-                widths: dict[int, int] | None = None):
+                widths: dict[int, int] | None = None, rows: torch.Tensor | None = None):
     """Append T tokens per row and score each: tokens (B, T) -> logits (B, T, V).
 
     logits[:, t] is the distribution after tokens[:, :t+1]. Every row advances by T; the caller rolls
     rejected positions back with `cache.truncate`. widths: a calibrated {T: W} table (`core.verify_width`):
     run the forward padded to the cheaper width W >= T (same real logits and cache; plain KVCache only).
+    rows: only these rows' logits are computed (finished rows riding along: see `live_rows`).
     """
     n_tokens, width = tokens.shape[1], padded_width(tokens.shape[1], widths, cache)
     if width == n_tokens:
-        return extend(model, cache, tokens, layers=layers, logits_at="all", return_hidden=return_hidden)
+        return extend(model, cache, tokens, layers=layers, logits_at="all", return_hidden=return_hidden, rows=rows)
     # the plain causal forward at W (a ragged n_new takes the slower masked path), rolled back to T after; the
     # LM head runs at W rows too: at T rows it would pay the very matmul-shape penalty the padding avoids
     # (measured: a padded T=2 verify unembedding 2 rows took 57 ms where the same forward at W=6 took 37)
     advanced = cache.lengths + n_tokens
     logits, hidden = extend(model, cache, pad_tokens(tokens, width), layers=layers, logits_at="all",
-                            return_hidden=True)
+                            return_hidden=True, rows=rows)
     cache.truncate(advanced)
     logits, hidden = logits[:, :n_tokens], hidden[:, :n_tokens]
     return (logits, hidden) if return_hidden else logits
@@ -117,6 +119,21 @@ def validate_generation_args(prompts, max_new_tokens: int) -> None:
 
 
 # -- the token loop ------------------------------------------------------------------------------------
+LIVE_ROWS_BELOW = 0.75  # run the linear layers on the live rows alone once fewer than this share are live
+
+
+def live_rows(model, alive: list[bool]) -> torch.Tensor | None:
+    """The batch positions whose outputs a step needs, when skipping the others pays and is exact: fewer than
+    LIVE_ROWS_BELOW of the rows are live and the model's linear path is row-invariant (`Transformer.forward`'s
+    rows). Why: rows finish at different steps (EOS; each row accepting its own drafts), and a finished row
+    riding along makes the slowest rows pay a full-batch forward to the end (measured at batch 64, code
+    editing: the last dozen speculative steps decoded 2-18 live rows at the cost of 64). None = every row."""
+    n_live = sum(alive)
+    if n_live >= LIVE_ROWS_BELOW * len(alive) or n_live == 0 or not as_transformer(model).linear.enabled:
+        return None
+    return torch.tensor([i for i, a in enumerate(alive) if a], device=as_transformer(model).device)
+
+
 class TokenLoop:
     """Per-row state of one generation: emitted tokens, finished rows, a forced-token queue per row.
 
@@ -215,11 +232,11 @@ class TokenLoop:
         if feed.mode == "last":
             logits, hidden = extend_last(self.tr, self.cache, feed.tokens, feed.n_new), None
         elif feed.mode == "step" and self.static_step is not None and type(self.cache) is KVCache \
-                and not feed.return_hidden:
+                and not feed.return_hidden and feed.rows is None:
             logits, hidden = self.static_step(self.cache, feed.tokens[:, 0]), None
         elif feed.mode in ("step", "all"):
             out = verify_step(self.tr, self.cache, feed.tokens, return_hidden=feed.return_hidden,
-                              widths=self.widths if feed.mode == "all" else None)
+                              widths=self.widths if feed.mode == "all" else None, rows=feed.rows)
             logits, hidden = out if feed.return_hidden else (out, None)
             logits = logits[:, 0] if feed.mode == "step" else logits
         else:
@@ -324,7 +341,11 @@ class SamplePolicy(PolicyBase):
         return dict(zip(loop.rows, ([t] for t in self.next_tokens.tolist())))
 
     def feed(self, loop: TokenLoop) -> Feed:
-        return Feed(self.next_tokens[:, None], mode="step")
+        # greedy: rows that finished (EOS) ride along without their linear layers; sampled rows keep drawing
+        # from real logits, so a shared generator's stream and each draw's cost stay as they were
+        rows = live_rows(loop.model, [not loop.done[r] for r in loop.rows]) \
+            if loop.sampler is None or loop.sampler.is_greedy else None
+        return Feed(self.next_tokens[:, None], mode="step", rows=rows)
 
     def row_logprobs(self, loop: TokenLoop) -> list[float]:
         """Per row: the sum of log p(token) over its kept tokens."""

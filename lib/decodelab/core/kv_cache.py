@@ -27,6 +27,8 @@ class ForwardPlan:
     gather (B, S) long or None: a sparse plan reads, per row, only the cache positions gather[b] (key j of
     `visible` is then cache position gather[b, j]); None reads positions [0, span).
     The grouped-query mask (B, 1, G*T, S) is built once per group size G and then reused by every layer.
+    rows (n,) long or None: only these rows' attention outputs are wanted (finished rows riding along:
+    `Transformer.hidden_states(rows=)`); a plain KVCache then reads only their keys and values.
     """
 
     positions: torch.Tensor
@@ -34,6 +36,7 @@ class ForwardPlan:
     span: int
     visible: torch.Tensor
     gather: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
     _grouped: dict = field(default_factory=dict, repr=False)
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -174,6 +177,13 @@ class KVCache:
         keys[rows, :, plan.slots] = k_new.transpose(1, 2)
         values[rows, :, plan.slots] = v_new.transpose(1, 2)
         span = plan.span
+        if plan.rows is not None:  # only the live rows' outputs are wanted: read only their keys and values
+            live = plan.rows
+            bias = plan.attention_bias(q.shape[1] // keys.shape[1], q.dtype)
+            out = grouped_attention_masked(q.index_select(0, live), keys[:, :, :span].index_select(0, live),
+                                           values[:, :, :span].index_select(0, live),
+                                           None if bias is None else bias.index_select(0, live))
+            return q.new_zeros(q.shape).index_copy_(0, live, out)
         if q.shape[0] == 1 and q.shape[2] == 1 and q.dtype in (torch.bfloat16, torch.float16):
             # Batch-1 decode sees every key of its span. In half precision SDPA rounds the unfolded (1, H, 1, D)
             # call differently from the folded (1, K, G, D) one; the unfolded call is transformers', so greedy

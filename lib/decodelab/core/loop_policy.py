@@ -15,13 +15,15 @@ class Feed:
 
     mode "step": T = 1, logits (B', V); "all": every row feeds T, logits (B', T, V) (a verify step);
     "last": row i feeds n_new[i] (0 allowed), logits at its last token (B', V). return_hidden: also the
-    final-normed hidden states (B', T, E).
+    final-normed hidden states (B', T, E). rows ("step" / "all"): the batch positions whose logits are wanted,
+    None = all; the other rows ride along (their logits are zeros), e.g. `engine.live_rows`.
     """
 
     tokens: torch.Tensor
     mode: str = "step"
     n_new: torch.Tensor | None = None
     return_hidden: bool = False
+    rows: torch.Tensor | None = None
 
 
 class LoopPolicy(Protocol):

@@ -109,10 +109,17 @@ class Transformer(torch.nn.Module):
         return self.embed_tokens(tokens)
 
     def _attention(self, layer, slot: int, x: torch.Tensor, cos, sin, cache: AttentionCache,
-                   plan: ForwardPlan) -> torch.Tensor:
+                   plan: ForwardPlan, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Normed x (B, T, E) -> the attention block's output (B, T, E), or (n, T, E) for `rows` only (see
+        `hidden_states`: the other rows' queries, keys and values are zeros, their outputs are not computed)."""
         attn = layer.self_attn
         batch, n_new, _ = x.shape
-        q, k, v = self.linear.group((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        if rows is None:
+            q, k, v = self.linear.group(projections, x)
+        else:
+            q, k, v = (x.new_zeros(batch, n_new, part.shape[-1]).index_copy_(0, rows, part)
+                       for part in self.linear.group(projections, x.index_select(0, rows)))
         q = q.view(batch, n_new, self.n_heads, self.head_dim)
         k = k.view(batch, n_new, self.n_kv_heads, self.head_dim)
         v = v.view(batch, n_new, self.n_kv_heads, self.head_dim)
@@ -122,8 +129,8 @@ class Transformer(torch.nn.Module):
         # RoPE: x * cos + rotate_half(x) * sin, with cos/sin (B, 1, T, D) for each row's own positions.
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = cache.attend(slot, q, k, v, plan)
-        return self.linear(attn.o_proj, out.transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim))
+        out = cache.attend(slot, q, k, v, plan).transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim)
+        return self.linear(attn.o_proj, out if rows is None else out.index_select(0, rows))
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP exactly as transformers' LlamaMLP computes it: down(act(gate(x)) * up(x))."""
@@ -139,14 +146,21 @@ class Transformer(torch.nn.Module):
         return self.linear(self.lm_head, hidden).float()
 
     def hidden_states(self, tokens: torch.Tensor, cache: AttentionCache, *, layers=None,
-                      capture_layers=None) -> torch.Tensor:
+                      capture_layers=None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run the decoder stack (or the `layers` subset) on tokens: (B, T) -> final-normed (B, T, E).
 
         capture_layers: layer indices whose output residual stream (un-normed) is returned too, side by side
         after the final-normed state: (B, T, E (1 + len(capture_layers))) (an EAGLE-3 drafter's features).
-        Writes the tokens' keys/values into `cache` but leaves its lengths alone (`forward` advances them)."""
+        Writes the tokens' keys/values into `cache` but leaves its lengths alone (`forward` advances them).
+
+        rows: (n,) long, the batch rows whose states are wanted (finished rows riding along in a batch are
+        not): the linear layers and the MLP run on those rows alone, and attention too on a plain KVCache
+        (`ForwardPlan.rows`; other caches attend every row); the other rows write zero keys and values into
+        scratch past their lengths and keep their embeddings as states. A row's result equals the whole
+        batch's row where the linear path is row-invariant (`forward` checks)."""
         positions = cache.positions(tokens.shape[1])
         plan = cache.begin_forward(positions, group=self.n_heads // self.n_kv_heads)  # once per forward
+        plan.rows = rows
         x = self.embed_tokens(tokens)
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
@@ -154,6 +168,11 @@ class Transformer(torch.nn.Module):
         captured = {}
         for slot, index in enumerate(layer_ids):
             layer = self.layers[index]
+            if rows is not None:
+                live = x.index_select(0, rows)
+                live = live + self._attention(layer, slot, layer.input_layernorm(x), cos, sin, cache, plan, rows)
+                x = x.index_copy(0, rows, live + self._mlp(layer.mlp, layer.post_attention_layernorm(live)))
+                continue
             x = x + self._attention(layer, slot, layer.input_layernorm(x), cos, sin, cache, plan)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
             if capture_layers is not None and index in capture_layers:
@@ -168,7 +187,8 @@ class Transformer(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: AttentionCache, *, n_new: torch.Tensor | None = None, layers=None,
-                logits_at: str = "all", return_hidden: bool = False, capture_layers=None):
+                logits_at: str = "all", return_hidden: bool = False, capture_layers=None,
+                rows: torch.Tensor | None = None):
         """Append `tokens` to each row of `cache` and return logits.
 
         tokens: (B, T) long; n_new: (B,) valid tokens per row (default T; right padding past it is scratch).
@@ -176,13 +196,23 @@ class Transformer(torch.nn.Module):
         With return_hidden, returns (logits, hidden) where hidden (B, T, E) feeds the LM head.
         capture_layers (with return_hidden): hidden is (B, T, E (1 + n)), the final-normed state first, then the
         residual stream after each of these layers (`hidden_states`); the logits are the same either way.
+        rows: (n,) long, the rows whose outputs are wanted (see `hidden_states`; logits_at "all" only): the
+        other rows' logits are zeros; every row's cache advances. Only on the row-invariant linear path (the
+        packed CPU one, `core.packed_linear`), where those rows' logits equal the whole batch's bit for bit.
         """
         batch, n_tokens = tokens.shape
+        if rows is not None and not (self.linear.enabled and logits_at == "all" and capture_layers is None):
+            raise ValueError("rows= needs the packed CPU linear path (row-invariant), logits_at='all' and no "
+                             f"capture_layers; got packed={self.linear.enabled}, logits_at={logits_at!r}")
         if n_new is None:
             n_new = torch.full((batch,), n_tokens, dtype=torch.long, device=tokens.device)
-        hidden = self.hidden_states(tokens, cache, layers=layers, capture_layers=capture_layers)
+        hidden = self.hidden_states(tokens, cache, layers=layers, capture_layers=capture_layers, rows=rows)
         cache.advance(n_new)
         final = hidden if capture_layers is None else hidden[..., :self.hidden_size]
+        if rows is not None:
+            logits = self.unembed(final.index_select(0, rows))
+            logits = logits.new_zeros((batch, *logits.shape[1:])).index_copy_(0, rows, logits)
+            return (logits, hidden) if return_hidden else logits
         logits = self.forward_logits(final, n_new, logits_at)
         return (logits, hidden) if return_hidden else logits
 

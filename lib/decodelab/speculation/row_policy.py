@@ -71,18 +71,18 @@ class RowBudgetPolicy(AdaptivePolicy):
         self.pool_reached, self.pool_accepted = 0.0, 0.0
         self._j = np.arange(1, max(max(self.ks), 1) + 1, dtype=float)
         self._widths = np.arange(1, max(max(self.ks), 1) + 2)
-        self._seconds_at: tuple[float, np.ndarray] | None = None
+        self._seconds_at: tuple[tuple[float, int], np.ndarray] | None = None  # (context, batch) -> T
         self._ratio_vector: np.ndarray | None = None
 
     def model_seconds(self, context: float) -> np.ndarray:
         """T(B, n, context) for n = 1 .. k_max + 1 in one vectorized call (reused within the step)."""
-        if self._seconds_at is None or self._seconds_at[0] != context:
+        if self._seconds_at is None or self._seconds_at[0] != (context, self.batch_size):
             try:  # a roofline takes the widths as one array
                 seconds = np.broadcast_to(np.asarray(self.step_time(self.batch_size, self._widths, context),
                                                      dtype=float), self._widths.shape)
             except (TypeError, ValueError):  # a model of scalars only: one call per width
                 seconds = np.array([float(self.step_time(self.batch_size, int(n), context)) for n in self._widths])
-            self._seconds_at = (context, seconds)
+            self._seconds_at = ((context, self.batch_size), seconds)
         return self._seconds_at[1]
 
     def model_seconds_for(self, k: int, context: float) -> float:

@@ -156,10 +156,15 @@ class SpeculativePolicy(PolicyBase):
         self.active = self.all_active if self.all_alive else torch.tensor([not d for d in loop.done], device=device)
         self.old = cache.lengths.clone()
         proposal, self.free_drafts = None, None
+        # greedy, no hidden-state drafter: finished rows riding along skip the forward's work (engine.live_rows)
+        self.live = None if self.all_alive or self.needs_hidden or self.draft_sampler is not None else \
+            engine.live_rows(loop.model, [not loop.done[r] for r in loop.rows])
         if self.policy is None:
             step_k = self.k
         else:
             self.context = self.old.float().mean().item()
+            # the step's cost is then the live rows' (its model predicts the batch it is told)
+            self.policy.batch_size = loop.batch if self.live is None else len(self.live)
             if self.per_row and self.cheap and self._worth_asking(n_active):
                 # the drafts cost ~nothing: the policy decides on each row's real drafts (caps), and a row
                 # whose first draft goes unverified is scored against the emitted token (free evidence)
@@ -186,9 +191,9 @@ class SpeculativePolicy(PolicyBase):
         self.proposal = proposal  # also a proposal narrowed to k = 0: the drafter rolls it back to nothing
         self.step_k = step_k if proposal is not None else 0
         if self.step_k == 0:
-            return Feed(self.pending[:, None], mode="step", return_hidden=self.needs_hidden)
+            return Feed(self.pending[:, None], mode="step", return_hidden=self.needs_hidden, rows=self.live)
         inputs = torch.cat([self.pending[:, None], proposal.tokens.to(device)], dim=1)  # (B, k+1)
-        return Feed(inputs, mode="all", return_hidden=self.needs_hidden)
+        return Feed(inputs, mode="all", return_hidden=self.needs_hidden, rows=self.live)
 
     def accept(self, loop: TokenLoop, logits: torch.Tensor, hidden) -> dict[int, list[int]]:
         stats, proposal, active, B = self.stats, self.proposal, self.active, loop.batch
