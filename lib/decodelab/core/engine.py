@@ -128,10 +128,10 @@ def live_rows(model, alive: list[bool]) -> torch.Tensor | None:
     rows). Why: rows finish at different steps (EOS; each row accepting its own drafts), and a finished row
     riding along makes the slowest rows pay a full-batch forward to the end (measured at batch 64, code
     editing: the last dozen speculative steps decoded 2-18 live rows at the cost of 64). None = every row."""
-    n_live = sum(alive)
-    if n_live >= LIVE_ROWS_BELOW * len(alive) or n_live == 0 or not as_transformer(model).linear.enabled:
+    n_live, tr = sum(alive), as_transformer(model)
+    if n_live >= LIVE_ROWS_BELOW * len(alive) or n_live == 0 or not tr.linear.enabled:
         return None
-    return torch.tensor([i for i, a in enumerate(alive) if a], device=as_transformer(model).device)
+    return torch.tensor([i for i, a in enumerate(alive) if a], device=tr.device)
 
 
 class TokenLoop:
@@ -344,7 +344,7 @@ class SamplePolicy(PolicyBase):
         # greedy: rows that finished (EOS) ride along without their linear layers; sampled rows keep drawing
         # from real logits, so a shared generator's stream and each draw's cost stay as they were
         rows = live_rows(loop.model, [not loop.done[r] for r in loop.rows]) \
-            if loop.sampler is None or loop.sampler.is_greedy else None
+            if any(loop.done) and (loop.sampler is None or loop.sampler.is_greedy) else None
         return Feed(self.next_tokens[:, None], mode="step", rows=rows)
 
     def row_logprobs(self, loop: TokenLoop) -> list[float]:
