@@ -70,12 +70,17 @@ def test_self_spec_caption_counts_the_identical_rows_on_smoke(smoke_runs, metric
     assert f"{same}/{total} decoded rows identical" in captions["self_spec_tau"]
 
 
-def test_shipped_module_keeps_next_token_logits_and_greedy_output_on_smoke(metrics):
+def test_shipped_module_keeps_next_token_logits_and_greedy_output_on_smoke(metrics, params):
     assert metrics["retrofit_module_frozen_logits_identical"] is True
     rows = metrics["retrofit_module_drafting"]
     assert {row["drafter"] for row in rows} == {"mtp", "ngram", "layer_skip"}
     assert all(row["greedy_match"] is True and row["tau"] >= 1.0 for row in rows)
     assert metrics["retrofit_module_greedy_match"] is True
+    for row in rows:  # the part-vocabulary drafter says how much of plain greedy's output it could draft
+        if row["drafter"] == "mtp" and params["draft_vocab"] is not None:
+            assert 0 < row["vocab_coverage"] <= 1
+        else:
+            assert row["vocab_coverage"] in (None, 1.0)
     module = metrics["retrofit_module"]
     assert module["source"] == "shipped" and module["problems"] == []  # the shipped record matches the default spec
 

@@ -91,6 +91,24 @@ def test_one_verification_step_reproduces_target_distribution_exactly(k, determi
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_draft_distribution_with_zeros_where_the_target_has_mass_still_gives_the_target_exactly(k):
+    """A drafter over part of the vocabulary (`decodelab.mtp.draft_head`) proposes q = 0 off its subset:
+    the residual max(p - q, 0) must then emit those tokens with exactly the target's probability."""
+    vocab = 4
+    g = torch.Generator().manual_seed(7 + k)
+    prefixes = [pre for m in range(k + 1) for pre in itertools.product(range(vocab), repeat=m)]
+    p_tree = {pre: _random_dist(g, vocab=vocab) for pre in prefixes}
+    q_tree = {}
+    for pre in prefixes:
+        q = _random_dist(g, vocab=vocab, peaked=True)
+        q[3] = 0.0  # token 3: never drafted, though the target gives it mass
+        q_tree[pre] = q / q.sum()
+    assert all(float(p[3]) > 0 for p in p_tree.values())
+    got = _exact_output_distribution(p_tree, q_tree, k, vocab, deterministic=False)
+    torch.testing.assert_close(got, _target_joint(p_tree, k, vocab), atol=1e-6, rtol=0)
+
+
 def test_padding_drafts_are_never_accepted_and_next_token_comes_from_target():
     g = torch.Generator().manual_seed(0)
     p = _random_dist(g, 3, 3, vocab=5)  # B=3, k=2

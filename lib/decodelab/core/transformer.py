@@ -61,6 +61,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def gated_mlp(linear: PackedLinears, mlp, x: torch.Tensor) -> torch.Tensor:
+    """A transformers LlamaMLP exactly as it computes, down(act(gate(x)) * up(x)), with gate and up as one
+    call through `linear` (packed weights, or the modules themselves when packing is off)."""
+    gate, up = linear.group((mlp.gate_proj, mlp.up_proj), x)
+    return linear(mlp.down_proj, mlp.act_fn(gate) * up)
+
+
 class Transformer(torch.nn.Module):
     """A decode forward over a transformers causal LM's modules (Llama, Qwen2/3, Mistral layouts)."""
 
@@ -133,9 +140,7 @@ class Transformer(torch.nn.Module):
         return self.linear(attn.o_proj, out if rows is None else out.index_select(0, rows))
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        """The gated MLP exactly as transformers' LlamaMLP computes it: down(act(gate(x)) * up(x))."""
-        gate, up = self.linear.group((mlp.gate_proj, mlp.up_proj), x)
-        return self.linear(mlp.down_proj, mlp.act_fn(gate) * up)
+        return gated_mlp(self.linear, mlp, x)
 
     def unembed(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden (..., E) -> logits (..., V) in float32.

@@ -28,7 +28,8 @@ def drafter_rows(target, drafters: dict, prompts_by_category: dict[str, list[lis
                  k: int, max_new_tokens: int, eos_token_ids: list[int] | None = None, repeats: int = 1) -> list[dict]:
     """One row per (category, batch, drafter): {"category", "batch", "drafter", "k", "tau", "acceptance"
     (per draft position, None where no draft reached it), "speedup" (plain s / speculative s, fastest runs),
-    "plain_s", "spec_s", "greedy_match", "rows_identical"}.
+    "plain_s", "spec_s", "greedy_match", "rows_identical", "vocab_coverage" (the share of plain greedy's
+    tokens the drafter's vocabulary holds, for drafters that draft from part of it; else None)}.
 
     target: the frozen model's `Transformer`; drafters: {name: a zero-argument factory of a fresh `Drafter`}.
     """
@@ -58,10 +59,12 @@ def drafter_rows(target, drafters: dict, prompts_by_category: dict[str, list[lis
             for name in drafters:
                 out = outputs[name]
                 same = sum(a == b for a, b in zip(out.tokens, plain.tokens))
+                probe = drafters[name]()
+                covered = probe.vocab_coverage(chosen, plain.tokens) if hasattr(probe, "vocab_coverage") else None
                 rows.append({"category": category, "batch": batch, "drafter": name, "k": k, "tau": out.stats.tau,
                              "acceptance": _finite(out.stats.acceptance_per_position, k),
                              "speedup": plain_s / min(times[name]), "plain_s": plain_s, "spec_s": min(times[name]),
-                             "greedy_match": same == batch, "rows_identical": same})
+                             "greedy_match": same == batch, "rows_identical": same, "vocab_coverage": covered})
     return rows
 
 

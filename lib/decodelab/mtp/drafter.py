@@ -1,20 +1,35 @@
 """MTP heads as a drafter: the trained heads propose k tokens that the speculative loop verifies."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from decodelab.core.packed_linear import PackedLinears, packing_available
 from decodelab.core.transformer import CapturingTransformer, Transformer, head_dim_of
+from decodelab.mtp.draft_head import DraftHead, coverage
 from decodelab.mtp.model import MTPModel, decoder_layer
 
-
 # -- drafting ----------------------------------------------------------------------------------------
+_PACKED = weakref.WeakKeyDictionary()  # MTPModel -> its PackedLinears, shared by the drafters made from it
+
+
+def packed_linears(model: MTPModel) -> PackedLinears:
+    """One `PackedLinears` per model, so each new drafter (one per generate call) does not pack it again."""
+    if model not in _PACKED:
+        weight = model.trunk.lm_head.weight
+        _PACKED[model] = PackedLinears(packing_available(weight.device, weight.dtype))
+    return _PACKED[model]
+
+
 def layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, slot: int,
-               plan, config) -> torch.Tensor:
+               plan, config, linear=None) -> torch.Tensor:
     """`layer_forward` with a KV cache (decodelab.core.kv_cache.KVCache slot): (B, T, D) -> (B, T, D).
 
-    cos, sin: (B, 1, T, d_head) for the plan's positions; plan: `cache.begin_forward(positions, group)`.
+    cos, sin: (B, 1, T, d_head) for the plan's positions; plan: `cache.begin_forward(positions, group)`;
+    linear: a `PackedLinears` (None: the modules themselves).
     """
-    return decoder_layer(layer, x, cos, sin, config, lambda q, k, v: cache.attend(slot, q, k, v, plan))
+    return decoder_layer(layer, x, cos, sin, config, lambda q, k, v: cache.attend(slot, q, k, v, plan), linear)
 
 
 class MTPDrafter:
@@ -36,12 +51,16 @@ class MTPDrafter:
     EAGLE-style, as position p + d: input [RMSNorm(s^(d)); RMSNorm(Emb(draft_d))] with the module's own state
     standing in for the target's unknown one, attending over the verified positions' cache plus the chain
     (written past the cache's length, so the next `observe` overwrites it: nothing to roll back).
+
+    draft_vocab: drafts come from the first `draft_vocab` ids plus the batch's prompt tokens only
+    (`decodelab.mtp.draft_head`, FR-Spec), which cuts the LM head's cost per draft; None = every id.
+    The module's linear layers and the head run through packed weights where the machine has them.
     """
 
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, model: MTPModel, *, reuse: bool = False):
+    def __init__(self, model: MTPModel, *, reuse: bool = False, draft_vocab: int | None = None):
         if model.n_heads < 2:
             raise ValueError(f"n_heads={model.n_heads} has no extra head to draft with (needs >= 2)")
         if model.config.style == "deepseek" and model.n_heads > 2:
@@ -51,6 +70,8 @@ class MTPDrafter:
                              "independent heads (allowed: reuse=False)")
         self.model = model
         self.reuse = reuse
+        self.head = DraftHead(model.trunk.model.norm, model.trunk.lm_head, draft_vocab, packed_linears(model))
+        self.linear = self.head.linear
         self.cache = None
         self._last = None
         self._fed = False
@@ -64,6 +85,7 @@ class MTPDrafter:
                              max_len + room,
                              dtype=self.model.trunk.dtype, device=self.model.device)
         self._last, self._fed = None, False
+        self.head.begin(prompts)
 
     @torch.inference_mode()
     def observe(self, hidden: torch.Tensor, n_new: torch.Tensor, next_tokens: torch.Tensor) -> None:
@@ -85,7 +107,7 @@ class MTPDrafter:
                 x, layer = hidden, module
             else:  # depth-1 module: [RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))] (h_i fused with features, if any)
                 x, layer = module.combine(hidden, model.trunk.model.embed_tokens(next_tokens), features), module.block
-            out = layer_step(layer, x, cos, sin, cache, slot, plan, model.trunk.config)
+            out = layer_step(layer, x, cos, sin, cache, slot, plan, model.trunk.config, self.linear)
             states.append(out[rows, last])
         cache.advance(n_new)
         new_last = torch.stack(states)  # (n_heads - 1, B, D)
@@ -114,14 +136,10 @@ class MTPDrafter:
             tokens, probs = self._chain(ctx, k)
             n_real = k
         else:
-            logits = self.model.unembed(self._last, 2).float()  # (n_heads - 1, B, V)
-            n_real = min(k, logits.shape[0])
-            probs = None
-            if ctx.sampler is None:
-                tokens = logits[:n_real].argmax(-1).T  # (B, n_real)
-            else:
-                tokens = torch.stack([ctx.sampler.sample(logits[i], ctx.generator) for i in range(n_real)], dim=1)
-                probs = torch.stack([ctx.sampler.probs(logits[i]) for i in range(n_real)], dim=1)
+            n_real = min(k, self._last.shape[0])  # self._last (n_heads - 1, B, D): one state per head
+            picks = [self._pick(self._last[i], ctx) for i in range(n_real)]
+            tokens = torch.stack([token for token, _ in picks], dim=1)  # (B, n_real)
+            probs = None if ctx.sampler is None else torch.stack([p for _, p in picks], dim=1)
         lengths = None
         if n_real < k:  # pad: verification rejects positions past `lengths`
             pad = tokens[:, -1:].expand(-1, k - n_real)
@@ -145,18 +163,16 @@ class MTPDrafter:
                              "verify with drafter.target() (a CapturingTransformer), not the plain Transformer")
         return hidden[..., :d], hidden[..., d:]
 
-    def _pick(self, logits: torch.Tensor, ctx):
-        """logits (B, V) -> (token (B,), probs (B, V) or None): greedy, or the loop's sampler."""
-        if ctx.sampler is None:
-            return logits.argmax(-1), None
-        return ctx.sampler.sample(logits, ctx.generator), ctx.sampler.probs(logits)
+    def _pick(self, state: torch.Tensor, ctx):
+        """A head's state (B, D) -> (token (B,), probs (B, V) or None): greedy, or the loop's sampler."""
+        return self.head.pick(state, ctx.sampler, ctx.generator)
 
     def _chain(self, ctx, k: int):
         """k drafts from the one module reused (see the class docstring): -> tokens (B, k), probs (B, k, V) | None."""
         model, cache = self.model, self.cache
         module, tc = model.heads[0], model.trunk.config
         state = self._last[0]  # (B, D): the module's state at the last verified position
-        token, p = self._pick(model.unembed(state, 2).float(), ctx)
+        token, p = self._pick(state, ctx)
         tokens, probs = [token], [p]
         for depth in range(1, k):
             positions = cache.lengths[:, None] + (depth - 1)  # (B, 1): p + depth
@@ -164,8 +180,8 @@ class MTPDrafter:
             x = module.combine(state[:, None], model.trunk.model.embed_tokens(token[:, None]))
             cos, sin = model.trunk.model.rotary_emb(x, positions)
             state = layer_step(module.block, x, cos[:, None].to(x.dtype), sin[:, None].to(x.dtype), cache, 0, plan,
-                               tc)[:, 0]
-            token, p = self._pick(model.unembed(state, 2).float(), ctx)
+                               tc, self.linear)[:, 0]
+            token, p = self._pick(state, ctx)
             tokens.append(token)
             probs.append(p)
         return torch.stack(tokens, 1), None if ctx.sampler is None else torch.stack(probs, 1)
@@ -186,11 +202,16 @@ class MTPDrafter:
             return CapturingTransformer(self.model.trunk, self.model.config.feature_layers)
         return Transformer.from_hf(self.model.trunk)
 
+    def vocab_coverage(self, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+        """Share of `outputs`' tokens (continuing `prompts`) that this drafter's vocabulary could draft."""
+        return coverage(self.head.vocab_size, self.head.size, prompts, outputs)
+
     def rollback(self, n_accepted: torch.Tensor) -> None:
         """Nothing to undo: the heads' cache only ever holds positions the target accepted."""
 
     def __repr__(self) -> str:
-        return f"MTPDrafter(style={self.model.config.style!r}, n_heads={self.model.n_heads}, reuse={self.reuse})"
+        return (f"MTPDrafter(style={self.model.config.style!r}, n_heads={self.model.n_heads}, reuse={self.reuse}, "
+                f"draft_vocab={self.head.size})")
 
 
 def load_mtp_drafter(checkpoint_dir, *, device=None, trunk=None, reuse: bool = False) -> MTPDrafter:

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodelab.core.transformer import head_dim_of, rotate_half
+from decodelab.core.packed_linear import PackedLinears
+from decodelab.core.transformer import gated_mlp, head_dim_of, rotate_half
 
 STYLES = ("gloeckle", "deepseek")
 
@@ -115,26 +116,30 @@ def build_model(*, vocab_size: int, d_model: int, n_layers: int, n_heads: int, s
     return MTPModel(trunk, MTPConfig(style=style, n_heads=n_heads, mtp_weight=mtp_weight), seed=seed)
 
 
-def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config, attend) -> torch.Tensor:
+def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config, attend,
+                  linear: PackedLinears | None = None) -> torch.Tensor:
     """A Llama decoder layer, (B, T, D) -> (B, T, D): x + Attn(norm(x)), then + MLP(norm(.)).
 
     The same maths as `decodelab.core.transformer.Transformer`; RoPE with cos/sin (B, 1, T, d_head).
     attend(q (B, H, T, d), k, v (B, K, T, d)) -> (B, H, T, d) is the attention itself: causal over the
-    sequence in training, through a KV cache when drafting.
+    sequence in training, through a KV cache when drafting. linear: how the linear layers run (a drafter's
+    packed weights); None = the modules themselves (training: packed weights record no gradients).
     """
+    mlp = layer.mlp if linear is None else (lambda y: gated_mlp(linear, layer.mlp, y))
+    linear = linear or PackedLinears(False)
     attn = layer.self_attn
     batch, n_tok, _ = x.shape
     n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = head_dim_of(config)
-    y = layer.input_layernorm(x)
-    q = attn.q_proj(y).view(batch, n_tok, n_heads, head_dim).transpose(1, 2)
-    k = attn.k_proj(y).view(batch, n_tok, n_kv, head_dim).transpose(1, 2)
-    v = attn.v_proj(y).view(batch, n_tok, n_kv, head_dim).transpose(1, 2)
+    q, k, v = linear.group((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm(x))
+    q = q.view(batch, n_tok, n_heads, head_dim).transpose(1, 2)
+    k = k.view(batch, n_tok, n_kv, head_dim).transpose(1, 2)
+    v = v.view(batch, n_tok, n_kv, head_dim).transpose(1, 2)
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
     out = attend(q, k, v)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, n_tok, n_heads * head_dim))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = x + linear(attn.o_proj, out.transpose(1, 2).reshape(batch, n_tok, n_heads * head_dim))
+    return x + mlp(layer.post_attention_layernorm(x))
 
 
 def layer_forward(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config) -> torch.Tensor:
