@@ -48,7 +48,7 @@ class RetrofitSpec:
 
     data: DistillData = DistillData()
     loss: str = "kl"  # "kl" (self-distillation) or "ce" (plain labels, the ablation)
-    steps: int = 288  # ~3.1 epochs of the default 192 - val_blocks training blocks
+    steps: int = 1152  # ~3.0 epochs of the default 768 - val_blocks training blocks
     batch_size: int = 2  # blocks per step
     lr: float = 2e-3
     warmup: int = 10
