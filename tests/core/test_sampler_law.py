@@ -5,6 +5,7 @@
 - the map from u to a token equals a float64 reference (one full cumulative sum, no chunks) wherever
   u is not within rounding of an interval boundary, at the embedded vocabulary size;
 - removed tokens are never drawn; a deferred threshold draws what masking first draws;
+- each of these through the C draw (draw_kernel.c) and through the torch/numpy searches it stands for;
 - a chi-square bound on draws from a generator; the common random numbers (one uniform per row, the
   argmax's interval [0, p_max) shared by every sampler).
 """
@@ -39,7 +40,7 @@ def grid(n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("order", ["hf", "vllm"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
-def test_grid_frequencies_are_the_probabilities(cfg, order):
+def test_grid_frequencies_are_the_probabilities(cfg, order, draw_path):
     n = 8000
     sampler = Sampler(cfg, order=order)
     logits = hard_logits(1, batch=8, vocab=40)
@@ -78,7 +79,7 @@ def _fixed_uniforms(monkeypatch):
 
 
 @pytest.mark.parametrize("vocab", [9, 300, 1023, 49152])
-def test_the_two_level_search_maps_u_as_one_full_cumulative_sum(vocab):
+def test_the_two_level_search_maps_u_as_one_full_cumulative_sum(vocab, draw_path):
     """The chunked search against the float64 reference, token for token, away from rounding boundaries;
     heavy tails, ties and -inf entries; vocabularies shorter than, equal to and not a multiple of a chunk."""
     g = torch.Generator().manual_seed(vocab)
@@ -95,7 +96,7 @@ def test_the_two_level_search_maps_u_as_one_full_cumulative_sum(vocab):
         assert torch.isfinite(x.gather(-1, ours.reshape(-1, 1)))[rows].all()  # never a removed token
 
 
-def test_never_draws_a_removed_token_even_at_the_edges_of_u():
+def test_never_draws_a_removed_token_even_at_the_edges_of_u(draw_path):
     x = hard_logits(4, batch=24, vocab=1000)
     for u in (0.0, 2 ** -24, 0.5, 1 - 2 ** -24):
         for cfg in CONFIGS:
@@ -105,7 +106,7 @@ def test_never_draws_a_removed_token_even_at_the_edges_of_u():
             assert kept.gather(-1, tokens.reshape(-1, 1)).all(), (cfg.label(), u)
 
 
-def test_a_deferred_threshold_draws_what_masking_first_draws():
+def test_a_deferred_threshold_draws_what_masking_first_draws(draw_path):
     x = hard_logits(7, batch=24, vocab=5000)
     thr = min_p_threshold(x, 0.05)
     masked = x.masked_fill(x < thr, NEG_INF)
@@ -155,7 +156,7 @@ def test_greedy_rows_in_a_sampled_batch_stay_greedy_with_a_deferred_threshold():
     assert np.all(np.isfinite(sampler.process(x).gather(-1, tokens.reshape(-1, 1)).numpy()))
 
 
-def test_the_sparse_draw_over_few_kept_ids_has_the_law_and_maps_u_as_the_dense_one():
+def test_the_sparse_draw_over_few_kept_ids_has_the_law_and_maps_u_as_the_dense_one(draw_path):
     """A threshold keeping few ids takes the sparse path (their ids only): grid frequencies are the
     probabilities, and tokens equal the float64 reference away from interval boundaries."""
     x = hard_logits(9, batch=12, vocab=2000)
@@ -174,7 +175,7 @@ def test_the_sparse_draw_over_few_kept_ids_has_the_law_and_maps_u_as_the_dense_o
     assert torch.equal(sample_inverse_cdf(x, u, thr)[clear], ref[clear])
 
 
-def test_a_batch_of_sparse_and_dense_rows_maps_u_as_the_float64_reference():
+def test_a_batch_of_sparse_and_dense_rows_maps_u_as_the_float64_reference(draw_path):
     """Each row takes its own path (kept ids alone when few, else the dense search): tokens equal the
     float64 reference away from interval boundaries, and no removed token is drawn."""
     x = hard_logits(5, batch=24, vocab=2000)

@@ -45,7 +45,7 @@ def grid_rows(batch: int) -> list[SamplerConfig]:
 
 @pytest.mark.parametrize("order", ["hf", "vllm"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sample_equals_the_dense_draw_of_the_processed_logits_on_adversarial_rows(order, seed):
+def test_sample_equals_the_dense_draw_of_the_processed_logits_on_adversarial_rows(order, seed, draw_path):
     x = adversarial_logits(seed)
     sampler = Sampler(grid_rows(x.shape[0]), order=order)
     processed = sampler.process(x)
@@ -65,7 +65,7 @@ def test_one_config_for_every_row_equals_the_dense_draw(config):
         assert torch.equal(sampler.sample(x, gens), sample_inverse_cdf(processed, u))
 
 
-def test_shared_weights_and_floor_on_unmasked_logits_equal_the_draw_on_masked_ones():
+def test_shared_weights_and_floor_on_unmasked_logits_equal_the_draw_on_masked_ones(draw_path):
     x = adversarial_logits(3)[:-1]  # every row's max finite
     B = x.shape[0]
     floor = nucleus.top_p_threshold_rows(x, torch.full((B,), 0.9, dtype=torch.float64))
@@ -75,18 +75,30 @@ def test_shared_weights_and_floor_on_unmasked_logits_equal_the_draw_on_masked_on
     for rep in range(10):
         u = torch.rand(B, generator=torch.Generator().manual_seed(rep))
         expected = sample_inverse_cdf(masked, u, thr)
-        m, w = nucleus.row_weights(x)
-        assert torch.equal(sample_inverse_cdf(x, u, thr, weights=w, floor=floor), expected)
+        weights = nucleus.row_weights(x)
+        kept = weights.w.clone()
+        assert torch.equal(sample_inverse_cdf(x, u, thr, weights=weights, floor=floor), expected)
+        assert torch.equal(weights.w, kept)  # the draw only reads the shared weights
+        some = nucleus.row_weights(x, rows=np.arange(1, B, 3))  # weights for some rows: the others computed
+        assert torch.equal(sample_inverse_cdf(x, u, thr, weights=some, floor=floor), expected)
         assert torch.equal(sample_inverse_cdf(x, u, thr, floor=floor), expected)
-        assert torch.equal(sample_inverse_cdf(x, u, None, weights=nucleus.row_weights(x)[1], floor=floor),
+        assert torch.equal(sample_inverse_cdf(x, u, None, weights=nucleus.row_weights(x), floor=floor),
                            sample_inverse_cdf(masked, u))
 
 
 def test_row_weights_are_the_draws_weights():
     x = adversarial_logits(4)[:-1]
-    m, w = nucleus.row_weights(x)
-    assert torch.equal(m, x.amax(-1, keepdim=True))
-    assert torch.equal(w, torch.sub(x, x.gather(-1, x.argmax(-1, keepdim=True))).exp_())
+    weights = nucleus.row_weights(x)
+    full = torch.sub(x, x.gather(-1, x.argmax(-1, keepdim=True))).exp_()
+    assert torch.equal(weights.max, x.amax(-1, keepdim=True))
+    assert torch.equal(weights.w, full)
+    rows = np.array([2, 5, 11])
+    some = nucleus.row_weights(x, rows)
+    assert torch.equal(some.max, weights.max) and some.w.shape == (3, x.shape[-1])
+    assert torch.equal(some.w, full[torch.from_numpy(rows)])
+    assert some.has(np.array([2, 3, 11])).tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="no weights"):  # a top-p row the caller gave no weights for
+        nucleus.top_p_threshold_rows(x, torch.full((x.shape[0],), 0.9, dtype=torch.float64), weights=some)
 
 
 @pytest.mark.parametrize("few_rows", [True, False])

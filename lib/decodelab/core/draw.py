@@ -1,18 +1,37 @@
 """The sort-free draw: a head-first inverse CDF over (B, V) logits, dense (two-level chunked search) or
-over the kept ids only (few kept per row). Its law and the coupling it gives are described in
+over the kept ids only (few kept per row); on CPU float32 both run in C (``draw_kernel.c``: one read of
+each row, no masked copies), elsewhere in torch and numpy. Its law and the coupling it gives are described in
 :mod:`decodelab.core.sampling`, which re-exports ``argmax_rows`` and ``sample_inverse_cdf``."""
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import numpy as np
 import torch
 
+from decodelab.core import native
 from decodelab.core.filters import NEG_INF
 
 # a row is drawn over its kept ids alone when they are at most 1 / this of its vocabulary
 _SPARSE_FRACTION = 16
 # ids per chunk of the draw's two-level search: (64, 49152) logits give 192 chunk sums per row
 _CHUNK = 256
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 CPU buffer of this shape, reused by every later call with the same name on this thread:
+    a fresh (64, 49152) tensor costs ~0.25 ms of page faults, a twentieth of the whole draw. Only for
+    values that never leave the call that fills them (a sampler's temperature-scaled logits, its weights)."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buf = buffers.get(name)
+    if buf is None or tuple(buf.shape) != tuple(shape):
+        buf = buffers[name] = torch.empty(shape, dtype=torch.float32)
+    return buf
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -28,7 +47,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, threshold: torch.Tensor | None = None,
-                       weights: torch.Tensor | None = None, floor: torch.Tensor | None = None) -> torch.Tensor:
+                       weights=None, floor: torch.Tensor | None = None) -> torch.Tensor:
     """(B, V) logits, (B,) uniforms in [0, 1) -> (B,) long token ids drawn from softmax(logits), no sort.
 
     Head-first inverse CDF: the row's argmax a (its first maximal id) comes first, then every other
@@ -42,14 +61,16 @@ def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, threshold: torch.T
     (or done: the same result): tokens with x_i < floor count as removed too. Rows whose `threshold` is
     -inf are drawn dense, as when x had been masked (a -inf threshold keeps every entry), so the draw
     takes the same path, and gives the same token, as on the masked logits.
-    `weights` (B, V) float32, optional (CPU float32, every row's max finite): exp(x - max),
-    ``nucleus.row_weights(x)``, computed once for the top-p search; the dense draw then needs no exp of
-    its own and zeroes them where x < max(threshold, floor): the numbers it would compute from the
-    masked x. It takes them over (writes into them).
+    `weights` ``nucleus.RowWeights``, optional (CPU float32, every row's max finite): exp(x - max) for
+    some rows, ``nucleus.row_weights(x, rows)``, computed once for the top-p search; the dense draw of
+    those rows then needs no exp of its own and counts them as 0 where x < max(threshold, floor): the
+    numbers it would compute from the masked x. It only reads them.
     The search is two-level: per-chunk sums of w (chunks of _CHUNK ids), their cumulative sum in float64,
-    then a cumulative sum inside the one chunk picked. A picked token always has w_i > 0: each search
-    takes the first entry whose cumulative sum exceeds the target, and is clamped to the last entry
-    that still increases it (where rounding leaves the target at or past the end).
+    then a cumulative sum inside the one chunk picked (on CPU float32 the C kernel draw_kernel.c, which
+    masks as it sums; the torch search elsewhere and where no C compiler works: the same law, a u within
+    float rounding of an interval boundary may map to the neighbouring token). A picked token always has
+    w_i > 0: each search takes the first entry whose cumulative sum exceeds the target, and is clamped to
+    the last entry that still increases it (where rounding leaves the target at or past the end).
     """
     x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
     B, V = x.shape
@@ -61,32 +82,41 @@ def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, threshold: torch.T
     if threshold is not None and x.device.type == "cpu" and finite:
         xn = x.detach().contiguous().numpy()
         cut = _cut(threshold, floor).detach().numpy()
-        keep = xn >= cut
-        sparse = kept_per_row(keep) * _SPARSE_FRACTION <= V  # per row: few kept ids
+        rows = np.arange(B)  # rows that may be sparse: as on masked logits, a -inf threshold is drawn dense
         if floor is not None:
-            sparse &= threshold.detach().numpy()[:, 0] > -np.inf  # as on masked logits: keep-all rows dense
-        if sparse.all():
-            return _sparse_draw(xn, keep, head, m, u)
-        if sparse.any():  # the sparse rows by their kept ids, the others dense
-            rows, dense = torch.from_numpy(np.flatnonzero(sparse)), torch.from_numpy(np.flatnonzero(~sparse))
-            sparse_tokens = _sparse_draw(xn[rows.numpy()], keep[rows.numpy()], head[rows], m[rows], u[rows])
-            if weights is not None:  # the dense search over every row, on the weights in place: no copies;
-                # the sparse rows' cut at -inf leaves their weights alone, and their results are dropped
-                cut_all = torch.from_numpy(np.where(sparse[:, None], np.float32(-np.inf), cut))
-                tokens = _dense_draw(x, u, head, m, cut_all, weights)
-            else:
+            rows = np.flatnonzero(threshold.detach().numpy()[:, 0] > -np.inf)
+        if rows.size:
+            drawn = _sparse_draw(xn, cut, rows, head, m, u, max_kept=V // _SPARSE_FRACTION)  # -1: many kept
+            sparse = drawn >= 0
+            if sparse.all() and rows.size == B:
+                return drawn
+            if sparse.any():  # the sparse rows by their kept ids, the others dense
                 tokens = torch.empty(B, dtype=torch.long)
-                cut_dense = torch.from_numpy(cut[dense.numpy()])
-                tokens[dense] = _dense_draw(x[dense], u[dense], head[dense], m[dense], cut_dense, None)
-            tokens[rows] = sparse_tokens
-            return tokens
+                tokens[rows[sparse]] = drawn[sparse]
+                dense = np.setdiff1d(np.arange(B), rows[sparse])
+                tokens[dense] = _dense_draw(x, u, head, m, torch.from_numpy(cut), weights, rows=dense)
+                return tokens
     return _dense_draw(x, u, head, m, _cut(threshold, floor), weights)
 
 
-def kept_per_row(keep: np.ndarray) -> np.ndarray:
-    """(B, V) bool -> (B,) int64 True count per row; one count_nonzero per row (numpy's axis=-1 count
-    is ~7x slower on (64, 49152))."""
-    return np.fromiter((np.count_nonzero(row) for row in keep), dtype=np.int64, count=keep.shape[0])
+def kept_per_row(xn: np.ndarray, cut: np.ndarray) -> np.ndarray:
+    """(B, V) values, (B, 1) cut -> (B,) int64: how many values per row are >= the cut (one count_nonzero
+    per row: numpy's axis=-1 count is ~7x slower)."""
+    return np.fromiter((np.count_nonzero(row >= c) for row, c in zip(xn, cut[:, 0])), dtype=np.int64,
+                       count=xn.shape[0])
+
+
+def _float32_cut(cut: np.ndarray) -> np.ndarray:
+    """(B,) cut in any float dtype -> float32 c with x >= c exactly where x >= cut, for every float32 x:
+    rounded up where float32 rounds it down."""
+    c = np.ascontiguousarray(cut, dtype=np.float32)
+    low = c.astype(np.float64) < cut.astype(np.float64)
+    c[low] = np.nextafter(c[low], np.float32(np.inf))
+    return c
+
+
+def _ptr(a: np.ndarray):
+    return a.ctypes.data_as(ctypes.c_void_p)
 
 
 def _cut(threshold, floor):
@@ -96,35 +126,101 @@ def _cut(threshold, floor):
     return floor if threshold is None else torch.maximum(threshold, floor.to(threshold.dtype))
 
 
-def _dense_draw(x: torch.Tensor, u: torch.Tensor, head: torch.Tensor, m: torch.Tensor, threshold, weights):
-    """The head-first inverse CDF over every id of (B, V) x: ``sample_inverse_cdf``'s dense search."""
+def _dense_draw(x: torch.Tensor, u: torch.Tensor, head: torch.Tensor, m: torch.Tensor, threshold, weights,
+                rows: np.ndarray | None = None) -> torch.Tensor:
+    """The head-first inverse CDF over every id of (B, V) x, for `rows` (all when None) -> (R,) long:
+    ``sample_inverse_cdf``'s dense search. weights: ``nucleus.RowWeights`` or None; rows without weights
+    there get exp(x - m) computed here, for those rows only. On CPU float32 the C kernel (draw_kernel.c:
+    reads the weights, masks by the threshold as it sums), else the same search in torch."""
     B, V = x.shape
-    if weights is None:
-        w = torch.sub(x, torch.where(torch.isfinite(m), m, 0.0))  # rows without a finite max: drawn as the head
-        w.exp_()
-    else:
-        w = weights  # exp(x - m) already: the same numbers
+    rows = np.arange(B, dtype=np.int64) if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
+    kernel = native.load("draw_kernel") if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if kernel is not None and x.is_contiguous():
+        return _kernel_draw(kernel, x, u, head, m, threshold, weights, rows)
+    index = torch.from_numpy(rows).to(x.device)
+    x, u, head, m = x[index], u[index], head[index], m[index]
+    threshold = None if threshold is None else threshold.to(x.device)[index]
+    w = torch.sub(x, torch.where(torch.isfinite(m), m, 0.0))  # rows without a finite max: drawn as the head
+    w.exp_()
+    if weights is not None:  # the same numbers where the caller has them: taken over, not recomputed
+        have = weights.has(rows)
+        w[torch.from_numpy(have)] = weights.w[torch.from_numpy(weights.positions(rows[have]))]
     if threshold is not None:
         _fill_below_(w, x, threshold, 0.0)
     w.scatter_(-1, head, 0.0)  # the head's weight 1 is handled apart: it comes first
+    R = x.shape[0]
     width = _CHUNK if V >= 4 * _CHUNK else V
     pad = (-V) % width
-    chunks = (torch.nn.functional.pad(w, (0, pad)) if pad else w).view(B, -1, width)
-    chunk_cum = chunks.sum(-1).double().cumsum_(-1)  # (B, n_chunks) non-head mass up to each chunk's end
-    rest = chunk_cum[:, -1:]  # (B, 1) C - 1
-    target = u.to(x.device, torch.float64).reshape(B, 1) * (1 + rest) - 1  # < 0: the head
+    chunks = (torch.nn.functional.pad(w, (0, pad)) if pad else w).view(R, -1, width)
+    chunk_cum = chunks.sum(-1).double().cumsum_(-1)  # (R, n_chunks) non-head mass up to each chunk's end
+    rest = chunk_cum[:, -1:]  # (R, 1) C - 1
+    target = u.to(x.device, torch.float64).reshape(R, 1) * (1 + rest) - 1  # < 0: the head
     c = _first_exceeding(chunk_cum, target)
     before = torch.where(c > 0, chunk_cum.gather(-1, (c - 1).clamp(min=0)), 0.0)
-    inside = chunks.gather(1, c.unsqueeze(-1).expand(B, 1, width)).squeeze(1).double().cumsum_(-1)
+    inside = chunks.gather(1, c.unsqueeze(-1).expand(R, 1, width)).squeeze(1).double().cumsum_(-1)
     token = c * width + _first_exceeding(inside, target - before)
     pick_head = (target < 0) | (rest <= 0) | ~torch.isfinite(m)
-    return torch.where(pick_head, head, token).reshape(B)
+    return torch.where(pick_head, head, token).reshape(R)
 
 
-def _sparse_draw(xn: np.ndarray, keep: np.ndarray, head: torch.Tensor, m: torch.Tensor, u: torch.Tensor):
-    """-> (B,) long: the same head-first inverse CDF over only the kept ids (keep (B, V) bool, few True): their
-    weights, in vocabulary order row after row, and one float64 cumulative sum over all of them (it
-    increases across rows, so one search finds each row's token), clamped to the row's last id with w > 0."""
+def _kernel_draw(kernel, x, u, head, m, threshold, weights, rows) -> torch.Tensor:
+    """``_dense_draw`` by the C kernel for `rows` of x (B, V) contiguous CPU float32: each row's weights
+    from `weights` where it has them, else exp(x - m) computed here as the torch path does."""
+    B, V = x.shape
+    addresses = np.empty(rows.size, dtype=np.uint64)
+    have = np.zeros(rows.size, dtype=bool) if weights is None else weights.has(rows)
+    if have.any():
+        addresses[have] = weights.addresses(rows[have])
+    if not have.all():
+        index = torch.from_numpy(rows[~have])
+        mr = m[index]
+        w = torch.index_select(x, 0, index, out=scratch("draw.weights", (index.numel(), V)))  # (R', V): index's order
+        w.sub_(torch.where(torch.isfinite(mr), mr, 0.0)).exp_()
+        addresses[~have] = np.uint64(w.data_ptr()) + np.arange(index.numel(), dtype=np.uint64) * np.uint64(V * 4)
+    cut = None if threshold is None else _float32_cut(threshold.detach().cpu().numpy().reshape(B))
+    heads = np.ascontiguousarray(head.cpu().numpy().reshape(B), dtype=np.int64)
+    uniforms = np.ascontiguousarray(u.cpu().numpy().reshape(B), dtype=np.float64)
+    tokens = np.empty(rows.size, dtype=np.int64)
+    status = kernel.dense_draw_rows(_ptr(x.detach().numpy()), _ptr(addresses), None if cut is None else _ptr(cut),
+                                    _ptr(heads), _ptr(uniforms), _ptr(rows), ctypes.c_int64(rows.size),
+                                    ctypes.c_int64(V), _ptr(tokens))
+    if status != 0:
+        raise MemoryError("draw_kernel.dense_draw_rows: no scratch memory")
+    return torch.from_numpy(tokens)
+
+
+def _sparse_draw(xn: np.ndarray, cut: np.ndarray, rows: np.ndarray, head: torch.Tensor, m: torch.Tensor,
+                 u: torch.Tensor, max_kept: int) -> torch.Tensor:
+    """-> (R,) long for `rows` of xn (B, V): the same head-first inverse CDF over only the ids with
+    x >= cut: their float64 weights in vocabulary order, one running sum, clamped to the row's last id
+    with w > 0; -1 for rows that keep more than max_kept ids. The C kernel (draw_kernel.c) where it
+    builds, else numpy."""
+    kernel = native.load("draw_kernel")
+    if kernel is not None and xn.dtype == np.float32 and xn.flags.c_contiguous:
+        B, V = xn.shape
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        cut32 = _float32_cut(cut.reshape(B))
+        heads = np.ascontiguousarray(head.numpy().reshape(B), dtype=np.int64)
+        uniforms = np.ascontiguousarray(u.numpy().reshape(B), dtype=np.float64)
+        tokens = np.empty(rows.size, dtype=np.int64)
+        if kernel.sparse_draw_rows(_ptr(xn), _ptr(cut32), _ptr(heads), _ptr(uniforms), _ptr(rows),
+                                   ctypes.c_int64(rows.size), ctypes.c_int64(V), ctypes.c_int64(max_kept),
+                                   _ptr(tokens)) != 0:
+            raise MemoryError("draw_kernel.sparse_draw_rows: no scratch memory")
+        return torch.from_numpy(tokens)
+    tokens = np.full(len(rows), -1, dtype=np.int64)
+    few = kept_per_row(xn[rows], cut[rows]) <= max_kept
+    if few.any():
+        tokens[few] = _sparse_draw_numpy(xn, cut, rows[few], head, m, u)
+    return torch.from_numpy(tokens)
+
+
+def _sparse_draw_numpy(xn: np.ndarray, cut: np.ndarray, rows: np.ndarray, head: torch.Tensor, m: torch.Tensor,
+                       u: torch.Tensor) -> np.ndarray:
+    """``_sparse_draw`` in numpy, for rows that keep few ids: one float64 cumulative sum over every row's
+    kept weights (it increases across rows, so one search finds each row's token)."""
+    xn, head, m, u = xn[rows], head[torch.from_numpy(rows)], m[torch.from_numpy(rows)], u[torch.from_numpy(rows)]
+    keep = xn >= cut[rows]
     rows, cols = np.divmod(np.flatnonzero(keep), keep.shape[1])  # ids ascending within each row
     w = np.exp(xn[rows, cols].astype(np.float64) - m.numpy()[rows, 0])
     w[cols == head.numpy()[rows, 0]] = 0.0  # the head comes first, apart
@@ -137,7 +233,7 @@ def _sparse_draw(xn: np.ndarray, keep: np.ndarray, head: torch.Tensor, m: torch.
     last = np.searchsorted(cum, cum[end - 1], side="left")  # the row's last id that adds weight
     pos = np.minimum(np.searchsorted(cum, base + target, side="right"), last)
     tokens = np.where((target < 0) | (rest <= 0), head.numpy()[:, 0], cols[np.clip(pos, 0, cols.size - 1)])
-    return torch.from_numpy(tokens.astype(np.int64))
+    return tokens.astype(np.int64)
 
 
 def _first_exceeding(cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

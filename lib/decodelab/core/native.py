@@ -2,13 +2,13 @@
 
     lib = native.load("nucleus_kernel")   # ctypes.CDLL, or None where no C compiler works here
 
-A kernel is one C file beside this module (``<name>.c``, plain C99 with no Python or torch headers, so a
-build takes about a second). It is compiled with the platform's C compiler (``$CC``, else Python's
-configured one, else ``cc``) at ``-O3`` (no ``-march``: the library may be shared between hosts) into a
-cache folder, ``$DECODELAB_NATIVE_CACHE`` or ``~/.cache/decodelab/native``, under a name holding the
-source's hash, so an edited kernel is rebuilt and a built one is reused by every later process.
-Where the build fails ``load`` warns once and returns None, and the caller keeps its pure-Python path
-(the kernels compute what that path computes; tests check the two agree).
+A kernel is one C file beside this module (``<name>.c``, plain C99 with no Python or torch headers, GCC and
+clang vector types at most, so a build takes about a second). It is compiled with the platform's C compiler
+(``$CC``, else Python's configured one, else ``cc``) at ``-O3`` (no ``-march``: the library may be shared
+between hosts) into a cache folder, ``$DECODELAB_NATIVE_CACHE`` or ``~/.cache/decodelab/native``, under a
+name holding the source's hash, so an edited kernel is rebuilt and a built one is reused by every later
+process. Where the build fails ``load`` warns once and returns None, and the caller keeps its pure-Python
+path (the kernels compute what that path computes; tests check the two agree).
 """
 
 from __future__ import annotations
@@ -75,3 +75,4 @@ def load(name: str) -> ctypes.CDLL | None:
         warnings.warn(f"decodelab: the C kernel {name}.c is unavailable ({error}); using the slower Python path",
                       RuntimeWarning, stacklevel=2)
         return None
+

@@ -27,14 +27,17 @@ row takes the reference (its full sort). So do rows without a finite maximum (Na
 every row off CPU: the result equals ``top_p_threshold`` bit for bit, and only the rows that need it
 are sorted.
 
-``row_weights(x)`` gives the (B, 1) row max and the (B, V) float32 weights exp(x - max) this search
-uses; the caller may pass them in (``weights=``) and reuse them for the draw
-(``draw.sample_inverse_cdf(..., weights=)``): the same numbers the draw computes from x.
+``row_weights(x, rows)`` gives a :class:`RowWeights`: the (B, 1) row max and the float32 weights
+exp(x - max) of the rows asked for (those with top_p < 1: only their weights are ever needed here); the
+caller may pass them in (``weights=``) and reuse them for the draw (``draw.sample_inverse_cdf(...,
+weights=)``): the same numbers the draw computes from x. Each (B, V) pass costs memory traffic (a row
+of 49152 float32 is 196 kB), so rows that need no weights get none.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -97,31 +100,70 @@ def _window_threshold(xr: np.ndarray, m, z, big_p) -> float | None:
     return None
 
 
-def _kernel_rows(kernel, x: np.ndarray, w: np.ndarray, m: np.ndarray, big_p: np.ndarray, rows: np.ndarray):
-    """The C radix select (nucleus_kernel.c) on `rows` of x, w (B, V) float32 -> (threshold (R,), clear (R,))."""
+def _kernel_rows(kernel, x: np.ndarray, weights: "RowWeights", big_p: np.ndarray, rows: np.ndarray):
+    """The C radix select (nucleus_kernel.c) on `rows` of x (B, V) float32, each row's weights read from
+    `weights` -> (threshold (R,), clear (R,))."""
     B, V = x.shape
-    m = np.ascontiguousarray(m, dtype=np.float32).reshape(B)
+    m = np.ascontiguousarray(weights.max.numpy(), dtype=np.float32).reshape(B)
     big_p = np.ascontiguousarray(big_p, dtype=np.float64).reshape(B)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
+    addresses = weights.addresses(rows)
     thr = np.empty(rows.size, dtype=np.float32)
     clear = np.zeros(rows.size, dtype=np.uint8)
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    kernel.top_p_rows(ptr(x), ptr(w), ptr(m), ptr(big_p), ptr(rows), ctypes.c_int64(rows.size), ctypes.c_int64(V),
-                      ctypes.c_double(_band_per_tail(V)), ptr(thr), ptr(clear))
+    kernel.top_p_rows(ptr(x), ptr(addresses), ptr(m), ptr(big_p), ptr(rows), ctypes.c_int64(rows.size),
+                      ctypes.c_int64(V), ctypes.c_double(_band_per_tail(V)), ptr(thr), ptr(clear))
     return thr, clear.astype(bool)
 
 
-def row_weights(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) float32 CPU -> (row max (B, 1), weights exp(x - max) (B, V) float32), as the draw computes
-    them (``torch.sub`` then ``exp_``): 1 at the max, 0 at -inf."""
-    m = torch.from_numpy(x.detach().contiguous().numpy().max(axis=-1, keepdims=True))
-    return m, torch.sub(x, m).exp_()
+@dataclass(frozen=True)
+class RowWeights:
+    """exp(x - max) for some rows of a (B, V) float32 CPU x, as the draw computes them (``torch.sub`` then
+    ``exp_``: 1 at the max, 0 at -inf).
+
+    max: (B, 1) every row's max; rows: (R,) int64 ascending, the rows with weights;
+    w: (R, V) float32 contiguous, w[j] = exp(x[rows[j]] - max[rows[j]])."""
+
+    max: torch.Tensor
+    rows: np.ndarray
+    w: torch.Tensor
+
+    def has(self, rows: np.ndarray) -> np.ndarray:
+        """(R',) row ids -> (R',) bool: which of them have weights here."""
+        return np.isin(rows, self.rows)
+
+    def positions(self, rows: np.ndarray) -> np.ndarray:
+        """(R',) row ids, each with weights here -> their positions in w."""
+        return np.searchsorted(self.rows, rows)
+
+    def addresses(self, rows: np.ndarray) -> np.ndarray:
+        """(R',) row ids, each with weights here -> (R',) uint64: the address of each one's V weights."""
+        step = np.uint64(self.w.shape[-1] * self.w.element_size())
+        return np.uint64(self.w.data_ptr()) + self.positions(rows).astype(np.uint64) * step
 
 
-def top_p_threshold_rows(logits: torch.Tensor, top_p, weights: tuple | None = None) -> torch.Tensor:
+def row_weights(x: torch.Tensor, rows: np.ndarray | None = None, out: str | None = None) -> RowWeights:
+    """(B, V) float32 CPU -> RowWeights: every row's max, and exp(x - max) for `rows` (all when None).
+    out: a ``draw.scratch`` buffer name to write the weights into (values that stay inside one call)."""
+    from decodelab.core.draw import scratch
+
+    xn = x.detach().contiguous().numpy()
+    m = torch.from_numpy(xn.max(axis=-1, keepdims=True))
+    rows = np.arange(x.shape[0], dtype=np.int64) if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
+    index = torch.from_numpy(rows)
+    w = torch.empty(rows.size, x.shape[-1]) if out is None else scratch(out, (rows.size, x.shape[-1]))
+    if rows.size == x.shape[0]:
+        torch.sub(x, m, out=w)
+    else:
+        torch.index_select(x, 0, index, out=w).sub_(m.index_select(0, index))
+    return RowWeights(m, rows, w.exp_())
+
+
+def top_p_threshold_rows(logits: torch.Tensor, top_p, weights: RowWeights | None = None) -> torch.Tensor:
     """(B, V) logits, top_p float or (B,) -> (B, 1) threshold, equal to ``filters.top_p_threshold``
     bit for bit, sorting only the rows the window cannot decide (see the module docstring).
-    weights: ``row_weights(logits)`` when the caller has them (CPU float32 only), else computed here."""
+    weights: ``row_weights(logits, rows)`` when the caller has them (CPU float32 only; every row with
+    top_p < 1 among `rows`), else computed here."""
     from decodelab.core.filters import _row_param
 
     B, V = logits.shape
@@ -134,21 +176,28 @@ def top_p_threshold_rows(logits: torch.Tensor, top_p, weights: tuple | None = No
         return torch.from_numpy(thr)
     x = logits.detach().contiguous()
     xn = x.numpy()
-    m = xn.max(axis=-1, keepdims=True) if weights is None else weights[0].numpy()
+    if weights is not None:
+        rows_without = rows[~weights.has(rows)]
+        if rows_without.size:
+            raise ValueError(f"weights: rows {rows_without.tolist()} have top_p < 1 but no weights")
+    m = xn.max(axis=-1, keepdims=True) if weights is None else weights.max.numpy()
     rows = rows[np.isfinite(m[rows, 0])]  # NaN, +inf or all -inf: the reference
     tail = (1 - p.numpy()[:, 0]).astype(np.float32)  # as the reference rounds 1 - top_p
     big_p = 1 - tail.astype(np.float64)  # token k kept iff s_{k-1} < big_p * Z
     done = np.zeros(B, dtype=bool)  # rows whose threshold a window (or the kernel) decided
     kernel = native.load("nucleus_kernel") if rows.size else None
     if kernel is not None:  # the weights as the draw computes them, from the row max found above
-        w = torch.sub(x, torch.from_numpy(m)).exp_().numpy() if weights is None else weights[1].contiguous().numpy()
-        thr[rows, 0], done[rows] = _kernel_rows(kernel, xn, w, m, big_p, rows)
+        if weights is None:
+            index = torch.from_numpy(rows)
+            w = torch.sub(x.index_select(0, index), torch.from_numpy(m[rows])).exp_()
+            weights = RowWeights(torch.from_numpy(m), rows, w)
+        thr[rows, 0], done[rows] = _kernel_rows(kernel, xn, weights, big_p, rows)
     else:
         for r in rows:  # one row at a time: no copies of the batch
             if weights is None:
                 wr = torch.sub(x[r], torch.from_numpy(m[r])).exp_().numpy()
             else:
-                wr = weights[1][r].numpy()
+                wr = weights.w[int(weights.positions(np.array([r]))[0])].numpy()
             z = wr.sum(dtype=np.float64)  # numpy's pairwise float64 sum
             t = _window_threshold(xn[r], m[r, 0], z, big_p[r])
             if t is not None:

@@ -3,7 +3,8 @@
    Per row (V float32 logits x, their weights w = exp(x - max) in float32, the row's P):
      Z = sum w (float64); the nucleus holds the K largest values, K = min{k : s_k >= P Z}, s_k the sum
      of the k largest weights, and the threshold is the K-th largest value.
-   Radix select instead of a sort: w lies in [0, 1], and its float32 bits order it, so a bucket id made
+   The first pass sums Z and gathers the few largest weights on the way (a peaked row's nucleus is among
+   them, and a sort of those alone decides it). Otherwise radix select instead of a sort: w lies in [0, 1], and its float32 bits order it, so a bucket id made
    of w's exponent (the 64 octaves below 1; every smaller weight lumped into bucket 0) and its top 8
    mantissa bits orders the weights, and so the values, by bucket. One pass builds each bucket's mass;
    a scan from the top bucket finds the one where the running mass crosses P Z (`above` = the mass of
@@ -21,7 +22,7 @@
 #define SUB_BITS 6
 #define N_BUCKETS (OCTAVES << SUB_BITS)
 #define HISTOGRAMS 4
-/* the window tried first: the weights >= (1 - P) Z / (2 WINDOW_SPREAD), if at most WINDOW_MAX of them */
+/* the window tried first: the weights >= (1 - P) / (2 WINDOW_SPREAD), if at most WINDOW_MAX of them */
 #define WINDOW_SPREAD 256.0
 #define WINDOW_MAX 4096
 #define BLOCK 64 /* the passes that gather a few entries test a block at once */
@@ -43,17 +44,6 @@ static int descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* One row -> 1 and *threshold when the row is clear, else 0. mass: N_BUCKETS doubles of scratch;
-   picked: V entries of scratch. */
-static double sum_weights(const float *w, int64_t V) {
-    double acc[8] = {0};  /* independent accumulators: the adds pipeline (and vectorize) */
-    int64_t i = 0;
-    for (; i + 8 <= V; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += w[i + j];
-    for (; i < V; i++) acc[0] += w[i];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
 /* The K-th largest among the n picked entries (sorted here), `above` the mass of every weight over them
    -> 1 and *threshold when clear; 0 when unclear or when the picked mass falls short of the target. */
 static int resolve(entry *picked, int64_t n, double above, double target, double margin, float *threshold) {
@@ -73,51 +63,52 @@ static int resolve(entry *picked, int64_t n, double above, double target, double
     return 0;
 }
 
+/* One row -> 1 and *threshold when the row is clear, else 0. mass: HISTOGRAMS N_BUCKETS doubles of
+   scratch; picked: V entries of scratch. */
 static int row_threshold(const float *x, const float *w, int64_t V, double big_p, double band,
-                         float row_max, double *mass, uint16_t *ids, entry *picked, float *threshold) {
-    double z = sum_weights(w, V);
+                         float row_max, double *mass, entry *picked, float *threshold) {
+    /* One pass: Z (as sum_weights adds it, lane by lane), and the window of a peaked row gathered on the
+       way: the weights >= (1 - P) / (2 WINDOW_SPREAD), which (Z >= 1: the max weighs 1) hold every weight
+       >= (1 - P) Z / (2 WINDOW_SPREAD), while they are at most WINDOW_MAX. */
+    float window = (float)((1.0 - big_p) / (2.0 * WINDOW_SPREAD));
+    double acc[8] = {0}, window_mass = 0.0;
+    int64_t n = 0, i = 0;
+    int overflow = 0;
+    for (int64_t start = 0; start < V; start += BLOCK) {
+        int64_t end = start + BLOCK < V ? start + BLOCK : V;
+        for (i = start; i + 8 <= end; i += 8)
+            for (int j = 0; j < 8; j++) acc[j] += w[i + j];
+        if (end == V)
+            for (; i < V; i++) acc[0] += w[i];
+        if (overflow) continue;
+        int hits = 0;
+#pragma omp simd reduction(+ : hits)
+        for (int64_t k = start; k < end; k++) hits += w[k] >= window;
+        if (!hits) continue;
+        if (n + hits > WINDOW_MAX) {
+            overflow = 1;
+            continue;
+        }
+        for (int64_t k = start; k < end; k++)
+            if (w[k] >= window) {
+                picked[n++] = (entry){x[k], w[k]};
+                window_mass += w[k];
+            }
+    }
+    double z = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     double target = big_p * z, margin = band * (1.0 - big_p) * z;
     if (target <= 0.0) { /* P <= 0: the reference keeps the top token alone */
         *threshold = row_max;
         return 1;
     }
-    /* a peaked row: the values with probability >= (1 - P) / (2 WINDOW_SPREAD), while they are few and
-       hold the target mass */
-    float window = (float)((1.0 - big_p) * z / (2.0 * WINDOW_SPREAD));
-    int64_t n = 0, in_window = 0;
-    double window_mass = 0.0;
-    for (int64_t start = 0; start < V; start += BLOCK) {  /* vectorized: count and mass, no gather */
-        int64_t end = start + BLOCK < V ? start + BLOCK : V;
-        float block_mass = 0.0f;  /* a screen only: resolve sums the picked weights in float64 */
-        int64_t block_in = 0;
-#pragma omp simd reduction(+ : block_mass, block_in)
-        for (int64_t i = start; i < end; i++) {
-            block_in += w[i] >= window;
-            block_mass += w[i] >= window ? w[i] : 0.0f;
-        }
-        in_window += block_in;
-        window_mass += block_mass;
-    }
-    if (in_window <= WINDOW_MAX && window_mass >= target + 2 * margin) {
-        for (int64_t start = 0; start < V; start += BLOCK) {
-            int64_t end = start + BLOCK < V ? start + BLOCK : V;
-            int hits = 0;
-#pragma omp simd reduction(+ : hits)
-            for (int64_t i = start; i < end; i++) hits += w[i] >= window;
-            if (hits)
-                for (int64_t i = start; i < end; i++)
-                    if (w[i] >= window) picked[n++] = (entry){x[i], w[i]};
-        }
-        if (resolve(picked, n, 0.0, target, margin, threshold)) return 1;
-    }
+    if (!overflow && window_mass >= target + 2 * margin && resolve(picked, n, 0.0, target, margin, threshold))
+        return 1;
     /* otherwise radix select: each bucket's mass (HISTOGRAMS interleaved copies: no chain of adds to one
        bucket), then the bucket where the running mass from the top crosses P Z */
-    for (int64_t i = 0; i < V; i++) ids[i] = (uint16_t)bucket_of(w[i]);
     memset(mass, 0, HISTOGRAMS * N_BUCKETS * sizeof(double));
-    int64_t i = 0;
-    for (; i + HISTOGRAMS <= V; i += HISTOGRAMS)
-        for (int h = 0; h < HISTOGRAMS; h++) mass[h * N_BUCKETS + ids[i + h]] += w[i + h];
-    for (; i < V; i++) mass[ids[i]] += w[i];
+    for (i = 0; i + HISTOGRAMS <= V; i += HISTOGRAMS)
+        for (int h = 0; h < HISTOGRAMS; h++) mass[h * N_BUCKETS + bucket_of(w[i + h])] += w[i + h];
+    for (; i < V; i++) mass[bucket_of(w[i])] += w[i];
     double above = 0.0;
     int b = N_BUCKETS - 1;
     for (; b > 0; b--) {
@@ -132,35 +123,33 @@ static int row_threshold(const float *x, const float *w, int64_t V, double big_p
         int64_t end = start + BLOCK < V ? start + BLOCK : V;
         int hits = 0;
 #pragma omp simd reduction(+ : hits)
-        for (i = start; i < end; i++) hits += ids[i] == b;
+        for (i = start; i < end; i++) hits += bucket_of(w[i]) == b;
         if (hits)
             for (i = start; i < end; i++)
-                if (ids[i] == b) picked[n++] = (entry){x[i], w[i]};
+                if (bucket_of(w[i]) == b) picked[n++] = (entry){x[i], w[i]};
     }
     return resolve(picked, n, above, target, margin, threshold);
 }
 
-/* rows (R,) indices into the (B, V) row-major x and w; m (B,) row max; big_p (B,) -> threshold (R,),
-   clear (R,). Returns 0, or -1 when scratch memory could not be had (every row then not clear). */
-int top_p_rows(const float *x, const float *w, const float *m, const double *big_p, const int64_t *rows,
+/* rows (R,) indices into the (B, V) row-major x; w_rows (R,) the address of each listed row's V weights;
+   m (B,) row max; big_p (B,) -> threshold (R,), clear (R,). Returns 0, or -1 when scratch memory could not
+   be had (every row then not clear). */
+int top_p_rows(const float *x, const float *const *w_rows, const float *m, const double *big_p, const int64_t *rows,
                int64_t n_rows, int64_t V, double band, float *threshold, uint8_t *clear) {
     double *mass = malloc(HISTOGRAMS * N_BUCKETS * sizeof(double));
     entry *picked = malloc((size_t)V * sizeof(entry));
-    uint16_t *ids = malloc((size_t)V * sizeof(uint16_t));
-    if (!mass || !picked || !ids) {
+    if (!mass || !picked) {
         free(mass);
         free(picked);
-        free(ids);
         memset(clear, 0, (size_t)n_rows);
         return -1;
     }
     for (int64_t j = 0; j < n_rows; j++) {
         int64_t r = rows[j];
-        clear[j] = (uint8_t)row_threshold(x + r * V, w + r * V, V, big_p[r], band, m[r], mass, ids, picked,
+        clear[j] = (uint8_t)row_threshold(x + r * V, w_rows[j], V, big_p[r], band, m[r], mass, picked,
                                           &threshold[j]);
     }
     free(mass);
     free(picked);
-    free(ids);
     return 0;
 }

@@ -5,19 +5,19 @@ The filters themselves (pure ``(B, V) -> (B, V)`` functions and their per-row th
 a chosen stage order over a batch whose rows may each have their own :class:`SamplerConfig`.
 
 Apart from typical sampling every filter is a threshold on the logit. Cost: nothing sorts the whole
-vocabulary unless it must. Temperature and min-p need no sort (min-p is a threshold on the row's max);
-top-k reads its k-th largest value from the values above a one-pass lower bound
-(``filters.chunk_max_bound``); top-p on CPU takes each row's threshold from a window of its largest
-values that provably holds the nucleus, checked exactly, and sorts only the rows no window decides
-(flat rows, or a boundary within rounding of the float32 reference): ``nucleus.top_p_threshold_rows``,
-bit for bit the full-sort threshold. The last threshold of the pipeline is not applied as a masked
-copy: the draw applies it (``sample_inverse_cdf(x, u, threshold)``), each row over its kept ids alone
-when they are few. In a batch mixing greedy and sampled rows, ``sample`` runs the pipeline with placeholder
-rows in place of the greedy ones and gives those their argmax after (the same thresholds and law per row). In
-``sample`` the top-p search's weights exp(x - max) (``nucleus.row_weights``) are computed once and
-handed to the draw, and x is not masked before a last min-p stage (min-p reads the row max alone): the
-draw applies the earlier thresholds as a floor (``sample_inverse_cdf(x, u, thr, weights=, floor=)``),
-which gives the tokens the masked logits give, token for token (tests/core/test_sampler_shared.py).
+vocabulary unless it must. Temperature and min-p need no sort (min-p is a threshold on the row's max); top-k
+reads its k-th largest value from the values above a one-pass lower bound (``filters.chunk_max_bound``);
+top-p on CPU takes each row's threshold from a window of its largest values that provably holds the nucleus,
+checked exactly, and sorts only the rows no window decides (flat rows, or a boundary within rounding of the
+float32 reference): ``nucleus.top_p_threshold_rows``, bit for bit the full-sort threshold. The last
+threshold of the pipeline is not applied as a masked copy: the draw applies it (``sample_inverse_cdf(x, u,
+threshold)``), each row over its kept ids alone when they are few. In a batch mixing greedy and sampled
+rows, ``sample`` runs the pipeline with placeholder rows in place of the greedy ones and gives those their
+argmax after (the same thresholds and law per row). In ``sample`` the top-p search's weights exp(x - max)
+(``nucleus.row_weights``, for the rows with top_p < 1 only) are computed once and handed to the draw, and x
+is not masked before a last min-p stage (min-p reads the row max alone): the draw applies the earlier
+thresholds as a floor (``sample_inverse_cdf(x, u, thr, weights=, floor=)``), which gives the tokens the
+masked logits give, token for token (tests/core/test_sampler_shared.py).
 
 The draw (``sample_inverse_cdf``, in :mod:`decodelab.core.draw`) needs no sort: head-first inverse CDF
 (the argmax, then the other tokens in vocabulary order), P(token i) = softmax(processed logits)_i up to
@@ -40,9 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from decodelab.core.draw import _mask_below_, argmax_rows, sample_inverse_cdf
+from decodelab.core.draw import _mask_below_, argmax_rows, sample_inverse_cdf, scratch
 from decodelab.core.filters import (
     _WINDOW_FRACTION,
     NEG_INF,
@@ -233,7 +234,7 @@ class Sampler:
 
         With defer_last, a last stage that is a threshold is not applied to the logits: its threshold is
         returned instead, for the draw to apply (``sample_inverse_cdf``), which saves a masked copy.
-        shared: {"weights", "floor"} for the draw when the top-p search computed exp(x - max) for every row
+        shared: {"weights", "floor"} for the draw when the top-p search computed exp(x - max) for its rows
         and only thresholds (running maximum: floor) masked x since, else {}."""
         self._check(logits)
         x = logits.float()
@@ -248,7 +249,10 @@ class Sampler:
                     x, sa = apply_temperature(x, p["temperature"]), None
                     continue
                 t = p["temperature"].reshape(-1, 1).to(x.dtype)
-                x = x / t  # the one copy; later stages work in place on x and sa
+                if defer_last and x.device.type == "cpu" and x.dtype == torch.float32:  # sample(): x stays inside
+                    x = torch.div(x, t, out=scratch("sampler.x", tuple(x.shape)))
+                else:
+                    x = x / t  # the one copy; later stages work in place on x and sa
                 if sa is not None:
                     sa.div_(t)
                 continue
@@ -260,13 +264,14 @@ class Sampler:
                 # a window of the largest values that provably holds every row's nucleus: no full sort
                 if x.device.type == "cpu":  # per row: a window that holds the nucleus, or the row's sort
                     weights = None
-                    # the draw reuses exp(x - max) when a later stage follows: its rows with that stage off
-                    # are drawn dense (top-p last, peaked rows are drawn by their few kept ids: no use)
-                    if defer_last and x.dtype == torch.float32 and i < len(self.stages) - 1:
-                        weights = row_weights(x)
-                        row_m = weights[0]
-                        shared = {"weights": weights[1], "floor": torch.full_like(weights[0], NEG_INF)}
-                        if not bool(torch.isfinite(weights[0]).all()):
+                    # the draw reuses exp(x - max) for the rows it draws dense (flat nuclei, or a later
+                    # stage off); peaked rows are drawn by their few kept ids and read x alone
+                    if defer_last and x.dtype == torch.float32:
+                        needs = np.broadcast_to(self._cpu["top_p"].numpy() < 1, (x.shape[0],))
+                        weights = row_weights(x, rows=np.flatnonzero(needs), out="sampler.weights")  # the search's rows
+                        row_m = weights.max
+                        shared = {"weights": weights, "floor": torch.full_like(row_m, NEG_INF)}
+                        if not bool(torch.isfinite(row_m).all()):
                             shared = {}
                     thr = top_p_threshold_rows(x, p["top_p"], weights=weights)
                 else:
