@@ -74,8 +74,11 @@ def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, threshold: torch.T
     """
     x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
     B, V = x.shape
-    head = argmax_rows(x).to(x.device).reshape(B, 1)
-    m = x.gather(-1, head)
+    if weights is not None and weights.head is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+        head, m = weights.head, weights.max  # found with the weights, on these logits
+    else:
+        head = argmax_rows(x).to(x.device).reshape(B, 1)
+        m = x.gather(-1, head)
     finite = bool(torch.isfinite(m).all())
     if weights is not None and not (finite and x.device.type == "cpu" and x.dtype == torch.float32):
         weights = None  # the shared weights are only those of finite CPU float32 rows

@@ -122,11 +122,13 @@ class RowWeights:
     ``exp_``: 1 at the max, 0 at -inf).
 
     max: (B, 1) every row's max; rows: (R,) int64 ascending, the rows with weights;
-    w: (R, V) float32 contiguous, w[j] = exp(x[rows[j]] - max[rows[j]])."""
+    w: (R, V) float32 contiguous, w[j] = exp(x[rows[j]] - max[rows[j]]);
+    head: (B, 1) int64, each row's first maximal id (``draw.argmax_rows``), or None."""
 
     max: torch.Tensor
     rows: np.ndarray
     w: torch.Tensor
+    head: torch.Tensor | None = None
 
     def has(self, rows: np.ndarray) -> np.ndarray:
         """(R',) row ids -> (R',) bool: which of them have weights here."""
@@ -143,12 +145,14 @@ class RowWeights:
 
 
 def row_weights(x: torch.Tensor, rows: np.ndarray | None = None, out: str | None = None) -> RowWeights:
-    """(B, V) float32 CPU -> RowWeights: every row's max, and exp(x - max) for `rows` (all when None).
+    """(B, V) float32 CPU -> RowWeights: every row's max and argmax, and exp(x - max) for `rows` (all
+    when None).
     out: a ``draw.scratch`` buffer name to write the weights into (values that stay inside one call)."""
     from decodelab.core.draw import scratch
 
     xn = x.detach().contiguous().numpy()
-    m = torch.from_numpy(xn.max(axis=-1, keepdims=True))
+    head = np.argmax(xn, axis=-1).astype(np.int64).reshape(-1, 1)  # the draw's head too: one pass for both
+    m = torch.from_numpy(np.take_along_axis(xn, head, axis=-1))
     rows = np.arange(x.shape[0], dtype=np.int64) if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
     index = torch.from_numpy(rows)
     w = torch.empty(rows.size, x.shape[-1]) if out is None else scratch(out, (rows.size, x.shape[-1]))
@@ -156,7 +160,7 @@ def row_weights(x: torch.Tensor, rows: np.ndarray | None = None, out: str | None
         torch.sub(x, m, out=w)
     else:
         torch.index_select(x, 0, index, out=w).sub_(m.index_select(0, index))
-    return RowWeights(m, rows, w.exp_())
+    return RowWeights(m, rows, w.exp_(), torch.from_numpy(head))
 
 
 def top_p_threshold_rows(logits: torch.Tensor, top_p, weights: RowWeights | None = None) -> torch.Tensor:
