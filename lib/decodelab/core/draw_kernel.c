@@ -1,4 +1,5 @@
-/* The dense head-first inverse CDF of decodelab.core.draw over precomputed weights, row by row.
+/* The head-first inverse CDF of decodelab.core.draw, row by row: dense over precomputed weights
+   (dense_draw_rows), or over a row's few kept ids alone (sparse_draw_rows, which computes their weights).
 
    Per row (V float32 values x, weights w = exp(x - max) in float32, a cut c, the head a = the row's first
    argmax, a uniform u): every id i != a counts with weight w_i where x_i >= c, else 0; rest = the sum of
