@@ -280,3 +280,49 @@ def test_methods_sharing_one_drafter_object_are_refused_before_any_step(tiny):
         speculative_bench.run_methods(tiny, _prompts()[:2], [("ngram", lambda: shared, 1),
                                                              ("ngram", lambda: shared, 2)],
                                       max_new_tokens=4, eos_token_ids=[], warmup=False)
+
+
+def test_plain_step_updates_equal_the_general_update_with_every_k_zero():
+    # update_plain defers the row counts' decay; it must leave the policy where update_rows(k = 0) would
+    step_time = lambda b, n, s: 1.0 + 0.2 * np.asarray(n, dtype=float)  # noqa: E731
+    lazy, eager = RowBudgetPolicy(step_time), RowBudgetPolicy(step_time)
+    active, zeros = torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long)
+    for policy in (lazy, eager):
+        policy.begin(3)
+        _learn(policy, [4, 1, 0], steps=5)
+    for step in range(7):
+        lazy.update_plain(step_s=1.1 + 0.01 * step, context=10.0)
+        eager.update_rows(zeros, zeros, active, step_s=1.1 + 0.01 * step, draft_s=0.0, context=10.0)
+    assert np.allclose(lazy.row_acceptance(), eager.row_acceptance(), rtol=1e-12)
+    assert lazy.time_ratio == pytest.approx(eager.time_ratio, rel=1e-12)
+    assert lazy.choose_rows(active, context=10.0).tolist() == eager.choose_rows(active, context=10.0).tolist()
+    # a later drafting step lands on the same counts too (the deferred decay is applied first)
+    for policy in (lazy, eager):
+        policy.update_rows(torch.full((3,), 2), torch.tensor([2, 1, 0]), active, step_s=1.5, draft_s=0.1,
+                           context=10.0)
+    assert np.allclose(lazy.row_reached, eager.row_reached) and np.allclose(lazy.row_accepted, eager.row_accepted)
+
+
+def test_a_step_that_cannot_pay_chooses_k0_for_every_row_without_the_full_search():
+    policy = RowBudgetPolicy(_never_pays)
+    policy.begin(4)
+    _learn(policy, [4, 4, 4, 4])
+    active = torch.ones(4, dtype=torch.bool)
+    assert not policy.worth_asking(4, context=10.0)
+    assert policy.choose_rows(active, context=10.0).tolist() == [0, 0, 0, 0]
+    # the shortcut holds for one decision only: the next choose_rows searches again and still finds k = 0
+    assert policy.choose_rows(active, context=10.0).tolist() == [0, 0, 0, 0]
+    assert policy.history[-2:] == [0, 0]
+
+
+def test_learned_verify_ratios_reach_the_ks_that_borrow_them():
+    policy = RowBudgetPolicy(lambda b, n, s: 1.0)
+    policy.begin(2)
+    policy.learn_time(0, 2.0, 10.0)
+    assert policy._ratios().tolist() == [2.0] * len(policy._widths)  # every k borrows k = 0's ratio
+    policy.learn_time(0, 4.0, 10.0)  # k = 0 seen again: updated in place
+    assert policy._ratios().tolist() == [policy.time_ratio[0]] * len(policy._widths)
+    policy.learn_time(2, 1.0, 10.0)  # a new k: k >= 2 now borrow from k = 2, k = 1 from k = 0 (a tie: the smaller)
+    expect = [policy.ratio(k) for k in range(len(policy._widths))]
+    assert policy._ratios().tolist() == expect
+    assert expect[1] == policy.time_ratio[0] and expect[2:] == [1.0] * (len(expect) - 2)

@@ -73,6 +73,9 @@ class RowBudgetPolicy(AdaptivePolicy):
         self._widths = np.arange(1, max(max(self.ks), 1) + 2)
         self._seconds_at: tuple[tuple[float, int], np.ndarray] | None = None  # (context, batch) -> T
         self._ratio_vector: np.ndarray | None = None
+        self._borrowed: np.ndarray | None = None  # (k_max + 1,) the observed k whose ratio each k uses
+        self._plain_now = False  # worth_asking found no width that can pay: this step is plain (see choose_rows)
+        self._undecayed = 0  # plain steps whose decay of the row counts is not applied yet (see _settle)
 
     def model_seconds(self, context: float) -> np.ndarray:
         """T(B, n, context) for n = 1 .. k_max + 1 in one vectorized call (reused within the step)."""
@@ -94,8 +97,18 @@ class RowBudgetPolicy(AdaptivePolicy):
         s = self.prior_strength
         return (self.pool_accepted + s * PRIOR_ACCEPTANCE) / (self.pool_reached + s)
 
+    def _settle(self) -> None:
+        """Apply the decay of the plain steps since the row counts were last read (`update_plain` defers it:
+        decay^n at once equals n decays one by one, and a run of plain steps then costs no array work)."""
+        if self._undecayed:
+            scale = self.decay ** self._undecayed
+            self.row_reached *= scale
+            self.row_accepted *= scale
+            self._undecayed = 0
+
     def row_acceptance(self) -> np.ndarray:
         """(B,) each row's per-token acceptance, shrunk towards the pooled estimate."""
+        self._settle()
         s = self.prior_strength
         return (self.row_accepted + s * self.pooled_acceptance()) / (self.row_reached + s)
 
@@ -110,14 +123,21 @@ class RowBudgetPolicy(AdaptivePolicy):
         return np.where(usable, gains, 0.0)
 
     def _ratios(self) -> np.ndarray:
-        """(k_max + 1,) r_k for k = 0 .. k_max, rebuilt only when a ratio was learned (not per step)."""
+        """(k_max + 1,) r_k for k = 0 .. k_max, rebuilt only when a new k was observed (not per step)."""
         if self._ratio_vector is None:
             self._ratio_vector = np.array([self.ratio(int(k)) for k in range(len(self._widths))])
+            observed = sorted(self.time_ratio)
+            self._borrowed = np.array([min(observed, key=lambda j: (abs(j - k), j)) if observed else -1
+                                       for k in range(len(self._widths))])
         return self._ratio_vector
 
     def learn_time(self, k: int, verify_s: float, context: float) -> None:
+        seen = k in self.time_ratio
         super().learn_time(k, verify_s, context)
-        self._ratio_vector = None
+        if seen and self._ratio_vector is not None:  # the same ks borrow from k as before: update them in place
+            self._ratio_vector[self._borrowed == k] = self.time_ratio[k]
+        else:
+            self._ratio_vector = None
 
     def _best_rate(self, n_active: int, a: float, context: float) -> float:
         """Upper bound of a step's goodput: every active row drafting at acceptance a, within the budget."""
@@ -133,7 +153,11 @@ class RowBudgetPolicy(AdaptivePolicy):
         if n_active == 0:
             return False
         plain_rate = n_active / (self._ratios()[0] * self.model_seconds(context)[0])
-        return self._best_rate(n_active, 1.0, context) > (1 + self.margin) * plain_rate
+        worth = self._best_rate(n_active, 1.0, context) > (1 + self.margin) * plain_rate
+        # no draft can pay even if all were accepted, so no row acceptance (<= 1) can: choose_rows will pick
+        # k = 0 for every row; it may skip its own bound until the step's update
+        self._plain_now = not worth
+        return worth
 
     def _could_pay(self, act: np.ndarray, n_active: int, plain_rate: float, context: float) -> bool:
         """An upper bound first (every active row drafting at the best row's acceptance, within the budget):
@@ -145,6 +169,10 @@ class RowBudgetPolicy(AdaptivePolicy):
 
     def choose_rows(self, active: torch.Tensor, *, context: float, caps: torch.Tensor | None = None) -> torch.Tensor:
         """active (B,) bool, caps (B,) long or None (real drafts available per row) -> k_b (B,) long (CPU)."""
+        if self._plain_now:  # worth_asking, this step: no width pays at any acceptance
+            self._plain_now = False
+            self.history.append(0)
+            return torch.zeros(len(active), dtype=torch.long)
         act = active.cpu().numpy()
         n_active = int(act.sum())
         best_rate = n_active / self.verify_seconds(0, context)
@@ -198,12 +226,22 @@ class RowBudgetPolicy(AdaptivePolicy):
             return row_k
         return filled.astype(row_k.dtype)
 
+    def update_plain(self, *, step_s: float, context: float | None = None) -> None:
+        """`update_rows` after a plain step that scored no free evidence (every k_b = 0, nothing drafted):
+        the same state change without building per-row arrays, so a run of plain steps stays cheap."""
+        self._plain_now = False
+        if context is not None:
+            self.learn_time(0, step_s, context)
+        self._undecayed += 1
+
     def update_rows(self, row_k: torch.Tensor, n_accepted: torch.Tensor, active: torch.Tensor, *, step_s: float,
                     draft_s: float, context: float | None = None, free=None) -> None:
         """After a step that verified row_k (B,) drafts per row (n_accepted (B,) kept) in step_s seconds.
 
         free: None or (scored (B,) bool, hit (B,) bool): rows whose first real draft was not verified this
         step and whether it equals the token the step emitted (free first-position evidence, see above)."""
+        self._plain_now = False
+        self._settle()
         ks = row_k.cpu().numpy()
         width = int(ks.max())
         if context is not None:

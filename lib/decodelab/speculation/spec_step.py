@@ -113,6 +113,7 @@ class SpeculativePolicy(PolicyBase):
         self.rows = torch.arange(loop.batch, device=loop.device)
         self.all_active = torch.ones(loop.batch, dtype=torch.bool, device=loop.device)
         self.step_k, self.proposal, self.row_k = None, None, None
+        self.no_drafts_kept = torch.zeros(loop.batch, dtype=torch.long, device=loop.device)  # n (B,) of a plain step
         self.tokens_so_far = loop.batch
         return {b: [t] for b, t in enumerate(self.pending.tolist())}
 
@@ -154,7 +155,6 @@ class SpeculativePolicy(PolicyBase):
         n_active = loop.batch - sum(loop.done)
         self.all_alive = n_active == loop.batch
         self.active = self.all_active if self.all_alive else torch.tensor([not d for d in loop.done], device=device)
-        self.old = cache.lengths.clone()
         proposal, self.free_drafts = None, None
         # greedy, no hidden-state drafter: finished rows riding along skip the forward's work (engine.live_rows)
         self.live = None if self.all_alive or self.needs_hidden or self.draft_sampler is not None else \
@@ -162,7 +162,7 @@ class SpeculativePolicy(PolicyBase):
         if self.policy is None:
             step_k = self.k
         else:
-            self.context = self.old.float().mean().item()
+            self.context = cache.lengths.sum().item() / cache.batch_size
             # the step's cost is then the live rows' (its model predicts the batch it is told)
             self.policy.batch_size = loop.batch if self.live is None else len(self.live)
             if self.per_row and self.cheap and self._worth_asking(n_active):
@@ -186,10 +186,12 @@ class SpeculativePolicy(PolicyBase):
                 proposal = narrow(proposal, self.row_k)
             proposal = trim(proposal, self.active)
             step_k = proposal.k  # rows without real drafts everywhere: verify fewer (or zero) positions
-        synchronize(device)
-        self.t_draft = time.perf_counter()
         self.proposal = proposal  # also a proposal narrowed to k = 0: the drafter rolls it back to nothing
         self.step_k = step_k if proposal is not None else 0
+        # the lengths before the forward, for accept's truncation: a plain step with every row alive needs none
+        self.old = cache.lengths.clone() if self.step_k or not self.all_alive else None
+        synchronize(device)
+        self.t_draft = time.perf_counter()
         if self.step_k == 0:
             return Feed(self.pending[:, None], mode="step", return_hidden=self.needs_hidden, rows=self.live)
         inputs = torch.cat([self.pending[:, None], proposal.tokens.to(device)], dim=1)  # (B, k+1)
@@ -199,7 +201,7 @@ class SpeculativePolicy(PolicyBase):
         stats, proposal, active, B = self.stats, self.proposal, self.active, loop.batch
         alive = loop.alive
         if self.step_k == 0:  # a plain step: the forward advanced every row by its pending token
-            n = torch.zeros(B, dtype=torch.long, device=loop.device)
+            n = self.no_drafts_kept
             nxt = engine.pick_tokens(logits, self.sampler, self.generator)
             if not self.all_alive:
                 loop.cache.truncate(torch.where(active, self.old + 1, self.old))
@@ -254,7 +256,9 @@ class SpeculativePolicy(PolicyBase):
             t_update = time.perf_counter()
             # the policy learns from the draft and verify seconds (its model predicts those), not its own
             verify_s = self.t_verify - self.t_draft
-            if self.per_row:
+            if self.per_row and self.step_k == 0 and self.free_drafts is None and hasattr(self.policy, "update_plain"):
+                self.policy.update_plain(step_s=verify_s, context=self.context)  # nothing drafted, nothing scored
+            elif self.per_row:
                 row_k = torch.tensor(self.lengths, dtype=torch.long)  # all zeros on a plain step
                 self.policy.update_rows(row_k, self.n, self.active, step_s=verify_s + self.draft_time,
                                         draft_s=self.draft_time, context=self.context, free=self._free_evidence(row_k))
@@ -267,7 +271,8 @@ class SpeculativePolicy(PolicyBase):
         stats = self.stats
         if self.row_k is not None:
             # per row: the drafts it verified this step, -1 for a row that had finished before it
-            stats.row_k.append([n if a else -1 for n, a in zip(self.lengths, self.active.tolist())])
+            stats.row_k.append(list(self.lengths) if self.all_alive
+                               else [n if a else -1 for n, a in zip(self.lengths, self.active.tolist())])
         total = sum(map(len, loop.tokens))
         stats.step_tokens.append(total - self.tokens_so_far)
         self.tokens_so_far = total
