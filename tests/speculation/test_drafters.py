@@ -40,6 +40,15 @@ def test_ngram_without_a_match_proposes_nothing_per_row():
     assert prop.tokens[1].tolist() == [1, 2]
 
 
+def test_ngram_proposals_carry_the_order_of_the_ngram_they_continue():
+    d = NGramDrafter(max_ngram=3)
+    rows = [[1, 2, 3, 9, 1, 2, 3], [4, 5, 6, 5], [7, 8, 9, 10]]  # a 3-gram match, a 1-gram match, none
+    d.begin(rows)
+    prop = d.propose(DraftContext(tokens=rows), 2)
+    assert prop.kinds.tolist() == [3, 1, 0] and prop.lengths.tolist() == [2, 2, 0]
+    assert prop.tokens[:2].tolist() == [[9, 1], [6, 5]]
+
+
 def test_every_drafter_implements_the_protocol(tiny):
     for d in (NGramDrafter(), LayerSkipDrafter(tiny, [0, 1]), ModelDrafter(truncated_model(tiny, 2), tiny)):
         assert isinstance(d, Drafter)

@@ -1,5 +1,6 @@
 """Per-row draft lengths under a batch verify budget, the free k = 0 step, and the speedup interval."""
 import math
+from dataclasses import replace as dataclasses_replace
 
 import numpy as np
 import pytest
@@ -326,3 +327,36 @@ def test_learned_verify_ratios_reach_the_ks_that_borrow_them():
     expect = [policy.ratio(k) for k in range(len(policy._widths))]
     assert policy._ratios().tolist() == expect
     assert expect[1] == policy.time_ratio[0] and expect[2:] == [1.0] * (len(expect) - 2)
+
+
+def test_acceptance_is_learned_per_proposal_kind():
+    # rows 0 and 1 miss every weak (kind 1) draft; kind 3 has never been judged: its prior is untouched
+    policy = RowBudgetPolicy(lambda b, n, s: 1.0 + 0.01 * np.asarray(n, dtype=float))
+    policy.begin(2)
+    active, weak, strong = torch.ones(2, dtype=torch.bool), torch.tensor([1, 1]), torch.tensor([3, 3])
+    for _ in range(4):
+        policy.choose_rows(active, context=10.0, kinds=weak)
+        policy.update_rows(torch.full((2,), 4), torch.zeros(2, dtype=torch.long), active, step_s=1.0, draft_s=0.0)
+    assert policy.choose_rows(active, context=10.0, kinds=weak).tolist() == [0, 0]
+    assert policy.row_acceptance().max() < 0.1
+    assert policy.choose_rows(active, context=10.0, kinds=strong).min() > 0  # kind 3: the prior 0.5 drafts
+    assert policy.row_acceptance().tolist() == [0.5, 0.5]
+    # without kinds every proposal is one kind: the weak drafts' misses make the same rows pessimistic
+    plain = RowBudgetPolicy(lambda b, n, s: 1.0 + 0.01 * np.asarray(n, dtype=float))
+    plain.begin(2)
+    for _ in range(4):
+        plain.choose_rows(active, context=10.0)
+        plain.update_rows(torch.full((2,), 4), torch.zeros(2, dtype=torch.long), active, step_s=1.0, draft_s=0.0)
+    assert plain.choose_rows(active, context=10.0).tolist() == [0, 0]
+    with pytest.raises(ValueError, match=r"kinds \[1, 9\] must be 2 ints in \[0, 8\)"):
+        policy.choose_rows(active, context=10.0, kinds=torch.tensor([1, 9]))
+
+
+def test_narrowing_and_trimming_a_proposal_keep_its_kinds():
+    from decodelab.speculation.spec_step import narrow, trim
+
+    prop = DraftProposal(tokens=torch.tensor([[1, 2, 3], [4, 5, 6]]), lengths=torch.tensor([3, 1]),
+                         kinds=torch.tensor([3, 1]))
+    assert narrow(prop, torch.tensor([2, 1])).kinds.tolist() == [3, 1]
+    shorter = dataclasses_replace(prop, lengths=torch.tensor([2, 1]))
+    assert trim(shorter, torch.ones(2, dtype=torch.bool)).kinds.tolist() == [3, 1]

@@ -95,11 +95,15 @@ class DraftProposal:
     lengths  (B,) long or None: row b has only lengths[b] <= k real drafts; positions past it are
              padding that verification always rejects (e.g. an n-gram with no earlier match).
              None means every row has k real drafts.
+    kinds    (B,) long or None: the drafter's own class of each row's proposal, for a policy that learns
+             acceptance per kind (`RowBudgetPolicy`); the n-gram drafter gives the order of the n-gram it
+             matched (0: no match). None means one kind.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    kinds: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -201,6 +205,10 @@ class NGramDrafter(DrafterBase):
 
     def lookup(self, b: int, seq: list[int], k: int) -> list[int]:
         """Up to k tokens continuing row b's sequence `seq`, or [] when no n-gram suffix recurs."""
+        return self.lookup_order(b, seq, k)[0]
+
+    def lookup_order(self, b: int, seq: list[int], k: int) -> tuple[list[int], int]:
+        """(`lookup`'s tokens, the order n of the n-gram they continue; 0 when none recurs)."""
         if len(self._index) <= b:
             self._index.extend({} for _ in range(b + 1 - len(self._index)))
             self._seen.extend(0 for _ in range(b + 1 - len(self._seen)))
@@ -214,18 +222,19 @@ class NGramDrafter(DrafterBase):
             for i in range(k):
                 j = e + i
                 out.append(seq[j] if j < end else out[j - end])
-            return out
-        return []
+            return out, n
+        return [], 0
 
     def _propose(self, ctx: DraftContext, k: int) -> DraftProposal:
         active = [True] * ctx.batch_size if ctx.active is None else ctx.active.tolist()
-        rows, lengths = [], []
+        rows, lengths, orders = [], [], []
         for b, seq in enumerate(ctx.tokens):  # one tensor built at the end: a step costs O(B) dict lookups
-            found = self.lookup(b, seq, k) if active[b] else []
+            found, order = self.lookup_order(b, seq, k) if active[b] else ([], 0)
             rows.append(found + [seq[-1]] * (k - len(found)))  # padding, always rejected
             lengths.append(len(found))
+            orders.append(order)
         return DraftProposal(tokens=torch.tensor(rows, dtype=torch.long), probs=None,
-                             lengths=torch.tensor(lengths, dtype=torch.long))
+                             lengths=torch.tensor(lengths, dtype=torch.long), kinds=torch.tensor(orders))
 
 
 class CachedModelDrafter(DrafterBase):

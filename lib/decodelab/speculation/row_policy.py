@@ -22,6 +22,12 @@ decoding even if every draft were accepted); a row whose first real draft was no
 scored against the token the step emitted instead: for a deterministic draft d_1 the target's token equals
 d_1 with probability p(d_1), which is exactly d_1's acceptance probability min(1, p(d_1) / 1), so the match
 is an unbiased sample of the row's first-position acceptance, at no forward cost (`update_rows(free=...)`).
+
+Proposal kinds. A drafter may say of each row's proposal what kind it is (`DraftProposal.kinds`; the n-gram
+drafter: the order of the n-gram it matched, 0 for none). Acceptance then is estimated per (row, kind), each
+shrunk towards its kind's pooled estimate: on code editing a 3-gram match's first draft is accepted ~90% of
+the time and a 1-gram match's ~15-40%, so a batch whose first drafts were weak 1-gram guesses need not make
+the policy pessimistic about the 3-gram copies that follow. A drafter without kinds is one kind (0).
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import torch
 from decodelab.speculation.policy import K_CHOICES, AdaptivePolicy
 
 PRIOR_ACCEPTANCE = 0.5  # a drafter's per-token acceptance before any evidence
+KINDS = 8  # proposal kinds a policy tells apart (DraftProposal.kinds in 0 .. KINDS - 1)
 
 
 class RowBudgetPolicy(AdaptivePolicy):
@@ -66,9 +73,11 @@ class RowBudgetPolicy(AdaptivePolicy):
         self.check_batch(batch_size)
         super().begin(batch_size)
         # numpy, not torch: these are a few dozen floats, and a decision must cost microseconds per step
-        self.row_reached = np.zeros(batch_size)
-        self.row_accepted = np.zeros(batch_size)
-        self.pool_reached, self.pool_accepted = 0.0, 0.0
+        self.row_reached = np.zeros((batch_size, KINDS))  # decayed drafts judged per (row, proposal kind)
+        self.row_accepted = np.zeros((batch_size, KINDS))
+        self.pool_reached, self.pool_accepted = np.zeros(KINDS), np.zeros(KINDS)  # the same over every row
+        self._rows = np.arange(batch_size)
+        self._kinds = np.zeros(batch_size, dtype=np.int64)  # each row's proposal kind in the step being decided
         self._j = np.arange(1, max(max(self.ks), 1) + 1, dtype=float)
         self._widths = np.arange(1, max(max(self.ks), 1) + 2)
         self._seconds_at: tuple[tuple[float, int], np.ndarray] | None = None  # (context, batch) -> T
@@ -93,9 +102,10 @@ class RowBudgetPolicy(AdaptivePolicy):
             return float(self.model_seconds(context)[k])
         return super().model_seconds_for(k, context)
 
-    def pooled_acceptance(self) -> float:
+    def pooled_acceptance(self) -> np.ndarray:
+        """(KINDS,) every kind's acceptance over all rows, shrunk towards PRIOR_ACCEPTANCE."""
         s = self.prior_strength
-        return (self.pool_accepted + s * PRIOR_ACCEPTANCE) / (self.pool_reached + s)
+        return np.broadcast_to((self.pool_accepted + s * PRIOR_ACCEPTANCE) / (self.pool_reached + s), (KINDS,))
 
     def _settle(self) -> None:
         """Apply the decay of the plain steps since the row counts were last read (`update_plain` defers it:
@@ -107,10 +117,22 @@ class RowBudgetPolicy(AdaptivePolicy):
             self._undecayed = 0
 
     def row_acceptance(self) -> np.ndarray:
-        """(B,) each row's per-token acceptance, shrunk towards the pooled estimate."""
+        """(B,) each row's per-token acceptance for its proposal's kind in this step, shrunk towards that
+        kind's pooled estimate."""
         self._settle()
-        s = self.prior_strength
-        return (self.row_accepted + s * self.pooled_acceptance()) / (self.row_reached + s)
+        s, at = self.prior_strength, (self._rows, self._kinds)
+        return (self.row_accepted[at] + s * self.pooled_acceptance()[self._kinds]) / (self.row_reached[at] + s)
+
+    def set_kinds(self, kinds) -> None:
+        """kinds (B,) long or None (every row kind 0): the proposal kinds of the step being decided; its
+        update credits the verified drafts to them."""
+        if kinds is None:
+            self._kinds[:] = 0
+            return
+        kinds = np.asarray(kinds.cpu().numpy() if torch.is_tensor(kinds) else kinds, dtype=np.int64)
+        if kinds.shape != self._kinds.shape or kinds.min() < 0 or kinds.max() >= KINDS:
+            raise ValueError(f"kinds {kinds.tolist()} must be {len(self._kinds)} ints in [0, {KINDS})")
+        self._kinds = kinds
 
     def row_gains(self, active: np.ndarray, caps: np.ndarray | None) -> np.ndarray:
         """(B, k_max) expected tokens of row b's j-th draft, a_b^j; 0 past caps[b] (real drafts), for
@@ -167,8 +189,11 @@ class RowBudgetPolicy(AdaptivePolicy):
         a = float(np.clip(self.row_acceptance()[act].max(), 0.0, 0.999))
         return self._best_rate(n_active, a, context) > (1 + self.margin) * plain_rate
 
-    def choose_rows(self, active: torch.Tensor, *, context: float, caps: torch.Tensor | None = None) -> torch.Tensor:
-        """active (B,) bool, caps (B,) long or None (real drafts available per row) -> k_b (B,) long (CPU)."""
+    def choose_rows(self, active: torch.Tensor, *, context: float, caps: torch.Tensor | None = None,
+                    kinds: torch.Tensor | None = None) -> torch.Tensor:
+        """active (B,) bool, caps (B,) long or None (real drafts available per row), kinds (B,) long or None
+        (each row's proposal kind, `set_kinds`) -> k_b (B,) long (CPU)."""
+        self.set_kinds(kinds)
         if self._plain_now:  # worth_asking, this step: no width pays at any acceptance
             self._plain_now = False
             self.history.append(0)
@@ -262,10 +287,11 @@ class RowBudgetPolicy(AdaptivePolicy):
             accepted += scored & hit
         if width == 0 and not reached.any():
             return
-        self.row_reached += reached
-        self.row_accepted += accepted
-        self.pool_reached = self.pool_reached * self.decay + float(reached.sum())
-        self.pool_accepted = self.pool_accepted * self.decay + float(accepted.sum())
+        at = (self._rows, self._kinds)
+        self.row_reached[at] += reached
+        self.row_accepted[at] += accepted
+        self.pool_reached = self.pool_reached * self.decay + np.bincount(self._kinds, reached, minlength=KINDS)
+        self.pool_accepted = self.pool_accepted * self.decay + np.bincount(self._kinds, accepted, minlength=KINDS)
         if width == 0:
             return
         self._draft_seen += 1

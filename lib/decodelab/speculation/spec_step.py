@@ -9,6 +9,7 @@ one batched forward over every row's unseen suffix; an MTP drafter's hidden stat
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -29,8 +30,8 @@ def trim(proposal, active: torch.Tensor):
     if width >= proposal.k:
         return proposal
     probs = None if proposal.probs is None else proposal.probs[:, :width]
-    return type(proposal)(tokens=proposal.tokens[:, :width], probs=probs,
-                          lengths=proposal.lengths.clamp(max=width))
+    return dataclasses.replace(proposal, tokens=proposal.tokens[:, :width], probs=probs,
+                               lengths=proposal.lengths.clamp(max=width))
 
 
 def narrow(proposal, row_k: torch.Tensor):
@@ -41,7 +42,7 @@ def narrow(proposal, row_k: torch.Tensor):
     if proposal.lengths is not None:
         lengths = torch.minimum(lengths, proposal.lengths.to(lengths.device))
     probs = None if proposal.probs is None else proposal.probs[:, :width]
-    return type(proposal)(tokens=proposal.tokens[:, :width], probs=probs, lengths=lengths)
+    return dataclasses.replace(proposal, tokens=proposal.tokens[:, :width], probs=probs, lengths=lengths)
 
 
 def pack_hidden(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,10 +138,10 @@ class SpeculativePolicy(PolicyBase):
         self.policy_time += time.perf_counter() - t0
         return worth
 
-    def _choose(self, loop: TokenLoop, n_active: int, caps=None):
+    def _choose(self, loop: TokenLoop, n_active: int, caps=None, kinds=None):
         t0 = time.perf_counter()
         if self.per_row:
-            self.row_k = self.policy.choose_rows(self.active, context=self.context, caps=caps)
+            self.row_k = self.policy.choose_rows(self.active, context=self.context, caps=caps, kinds=kinds)
             step_k = int(self.row_k.max())
         else:
             step_k = self.policy.choose_k(n_active, context=self.context)
@@ -172,7 +173,7 @@ class SpeculativePolicy(PolicyBase):
                 real = (proposal.lengths > 0 if proposal.lengths is not None
                         else torch.ones(proposal.tokens.shape[0], dtype=torch.bool))
                 self.free_drafts = (proposal.tokens[:, 0].cpu(), real.cpu())
-                step_k = self._choose(loop, n_active, caps=proposal.lengths)
+                step_k = self._choose(loop, n_active, caps=proposal.lengths, kinds=proposal.kinds)
             else:
                 step_k = self._choose(loop, n_active)
         if step_k > len(stats.reached):  # deeper drafts than K_CHOICES: grow the per-position counters
