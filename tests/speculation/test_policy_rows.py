@@ -13,11 +13,13 @@ from decodelab.speculation.drafters import (
     DraftContext,
     DrafterBase,
     DraftProposal,
+    LayerSkipDrafter,
     ModelDrafter,
     NGramDrafter,
     truncated_model,
 )
 from decodelab.speculation.row_policy import RowBudgetPolicy
+from decodelab.speculation.sparse_draft import SparseKVDrafter
 
 
 def _never_pays(b, n, s):
@@ -360,3 +362,40 @@ def test_narrowing_and_trimming_a_proposal_keep_its_kinds():
     assert narrow(prop, torch.tensor([2, 1])).kinds.tolist() == [3, 1]
     shorter = dataclasses_replace(prop, lengths=torch.tensor([2, 1]))
     assert trim(shorter, torch.ones(2, dtype=torch.bool)).kinds.tolist() == [3, 1]
+
+
+def test_a_model_drafters_cost_is_its_weights_over_the_targets(tiny):
+    tr = tiny.transformer
+    layer = sum(p.numel() * p.element_size() for p in tr.layers[0].parameters())
+    head = sum(p.numel() * p.element_size() for p in tr.lm_head.parameters())
+    skip = LayerSkipDrafter(tiny, [0, 2])
+    assert skip.relative_cost(tr) == pytest.approx((2 * layer + head) / (tr.n_layers * layer + head))
+    assert ModelDrafter(tiny, tiny).relative_cost(tr) == pytest.approx(1.0)
+    assert SparseKVDrafter(tiny).relative_cost is None  # its point is the KV it skips, not the weights
+
+
+def test_a_drafter_known_to_cost_a_whole_step_is_not_tried_where_verification_is_nearly_free():
+    step_time = lambda b, n, s: 1.0 + 0.01 * np.asarray(n, dtype=float)  # noqa: E731
+    active = torch.ones(1, dtype=torch.bool)
+    free, costly = RowBudgetPolicy(step_time), RowBudgetPolicy(step_time)
+    for policy in (free, costly):
+        policy.begin(1)
+    costly.set_draft_cost(0.95)  # a layer-skip drafter running 28 of 30 layers
+    assert free.choose_rows(active, context=10.0).item() > 0  # the prior acceptance 0.5 pays for free drafts
+    assert costly.choose_rows(active, context=10.0).item() == 0
+    assert costly.draft_seconds(10.0) == pytest.approx(0.95 * 1.01)
+    costly.update_rows(torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long), active, step_s=1.02,
+                       draft_s=0.1, context=10.0)
+    assert costly.draft_seconds(10.0) == pytest.approx(0.1)  # the first timed draft replaces the prior
+    with pytest.raises(ValueError, match="fraction"):
+        costly.set_draft_cost(-1.0)
+
+
+def test_a_spec_run_gives_the_policy_its_drafters_cost_before_the_first_step(tiny):
+    prompts = _prompts()
+    ref = engine.generate(tiny, prompts, max_new_tokens=12, eos_token_ids=[])
+    policy = RowBudgetPolicy(lambda b, n, s: 1.0 + 0.01 * np.asarray(n, dtype=float))
+    out = speculative.generate(tiny, prompts, LayerSkipDrafter(tiny, list(range(tiny.transformer.n_layers))),
+                               k=policy, max_new_tokens=12, eos_token_ids=[])
+    assert out.tokens == ref.tokens
+    assert policy._draft_fraction == pytest.approx(1.0) and all(k == 0 for k in out.stats.step_k)

@@ -164,6 +164,13 @@ def _drafters(model):
     }
 
 
+class _FreeDrafts(RowBudgetPolicy):
+    """Drafts cost nothing, whatever the drafter's `relative_cost` says: every row may draft."""
+
+    def draft_seconds(self, context):
+        return 0.0
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("drafter", ["ngram", "layer_skip", "draft_model"])
 @pytest.mark.parametrize("k", [1, 4, "adaptive", "rows"])
@@ -172,12 +179,13 @@ def test_greedy_speculative_equals_plain_greedy_token_for_token(tiny, batch, dra
     ref = engine.generate(tiny, prompts, max_new_tokens=30, eos_token_ids=[])
     # "rows": per-row k under a verify budget of batch + 2 tokens, on a free verify (mixed k per step)
     policy = (_adaptive(tiny) if k == "adaptive" else k if k != "rows"
-              else RowBudgetPolicy(lambda b, n, s: 1.0, verify_budget=batch + 2))
+              else _FreeDrafts(lambda b, n, s: 1.0, verify_budget=batch + 2))
     out = speculative.generate(tiny, prompts, _drafters(tiny)[drafter](), k=policy, max_new_tokens=30, eos_token_ids=[])
     assert out.tokens == ref.tokens
     assert out.stats.tau >= 1.0
     if k == "rows":
-        assert out.stats.row_k and all(sum(max(x, 0) for x in ks) <= 2 for ks in out.stats.row_k)
+        # the budget: every active row's pending token + its drafts (finished rows, -1, verify nothing)
+        assert out.stats.row_k and all(sum(x + 1 for x in ks if x >= 0) <= batch + 2 for ks in out.stats.row_k)
         assert any(max(ks) > 0 for ks in out.stats.row_k)
         if batch > 1 and drafter != "ngram":  # the budget covers 2 drafts: 3 rows cannot all get the same k > 0
             assert any(len(set(ks)) > 1 for ks in out.stats.row_k)
@@ -241,7 +249,7 @@ def test_sampled_speculative_decoding_is_indistinguishable_from_plain_sampling(d
     d = LayerSkipDrafter(model, [0, 1]) if drafter == "layer_skip" else NGramDrafter(max_ngram=2)
     # per_row: each row's k from its own acceptance, a budget of 2 drafts per row on average (mixed k, 0 too)
     # free_evidence off: step 1's few n-gram matches would teach it to draft little, and this test needs drafts
-    k = RowBudgetPolicy(lambda b, n, s: 1.0, ks=(0, 1, 3), verify_budget=3 * n_rows, min_gain=0.0,
+    k = _FreeDrafts(lambda b, n, s: 1.0, ks=(0, 1, 3), verify_budget=3 * n_rows, min_gain=0.0,
                         free_evidence=False) if per_row else 3
     out = speculative.generate(model, [prompt] * n_rows, d, k=k, max_new_tokens=3, sampler=sampler,
                                generator=torch.Generator().manual_seed(0), eos_token_ids=[])

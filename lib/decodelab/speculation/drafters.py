@@ -321,10 +321,23 @@ class CachedModelDrafter(DrafterBase):
         return DraftProposal(tokens=torch.stack(drafts, 1),
                              probs=None if ctx.sampler is None else torch.stack(probs, 1))
 
+    def relative_cost(self, target) -> float:
+        """The weights one drafted token reads over those one target token reads (decoder layers run and LM
+        head): what a draft forward costs in target forwards where decoding is weight-bound (a policy's
+        prior before it has timed a draft). target: a Transformer."""
+        return weight_bytes(self.tr, self.layers) / weight_bytes(target)
+
     def rollback(self, n_accepted: torch.Tensor) -> None:
         # the cache holds base + (k - 1) drafts; keep the accepted ones (the k-th was never fed)
         fed = self.cache.lengths - self._base
         self.cache.truncate(self._base + torch.minimum(n_accepted.to(fed), fed))
+
+
+def weight_bytes(tr, layers=None) -> int:
+    """Bytes of the weights one token's forward through `tr` (a Transformer) reads: the decoder `layers` it
+    runs (None: all) and the LM head."""
+    run = tr.layers if layers is None else [tr.layers[i] for i in layers]
+    return sum(p.numel() * p.element_size() for module in [*run, tr.lm_head] for p in module.parameters())
 
 
 def default_skip_layers(n_layers: int) -> list[int]:

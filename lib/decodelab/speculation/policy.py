@@ -45,6 +45,7 @@ class AdaptivePolicy:
         self.reached, self.accepted = [0.0] * depth, [0.0] * depth
         self.draft_s_per_token = self.draft0
         self._draft_seen = 0
+        self._draft_fraction = 0.0  # set_draft_cost: a drafted token's cost in plain steps, until one is timed
         self._plain_run = 0.0
         self.time_ratio: dict[int, float] = {}  # k -> EMA of observed / predicted verify seconds
         self.history: list[int] = []
@@ -78,8 +79,23 @@ class AdaptivePolicy:
     def verify_seconds(self, k: int, context: float) -> float:
         return self.ratio(k) * self.model_seconds_for(k, context)
 
+    def set_draft_cost(self, fraction: float) -> None:
+        """Before any draft is timed, a drafted token costs `fraction` of a plain decode step (a model drafter's
+        `relative_cost`: the weights it reads per token over the target's). Without it the first decision
+        takes drafts as free and a drafter that cannot pay is tried at least once; the first timed draft
+        replaces it."""
+        if not 0 <= fraction:
+            raise ValueError(f"fraction={fraction!r} must be >= 0")
+        self._draft_fraction = float(fraction)
+
+    def draft_seconds(self, context: float) -> float:
+        """Seconds per drafted token: the running mean of timed drafts, or before any the `set_draft_cost` prior."""
+        if self._draft_seen == 0 and self._draft_fraction:
+            return self._draft_fraction * self.verify_seconds(0, context)
+        return self.draft_s_per_token
+
     def goodput(self, k: int, context: float) -> float:
-        seconds = self.verify_seconds(k, context) + k * self.draft_s_per_token
+        seconds = self.verify_seconds(k, context) + k * self.draft_seconds(context)
         return self.expected_tokens(k) / seconds
 
     def choose_k(self, n_active: int, *, context: float) -> int:
@@ -89,7 +105,7 @@ class AdaptivePolicy:
         k = best if best and self.goodput(best, context) > (1 + self.margin) * plain else 0
         if k == 0 and 1 in self.ks:
             t1 = self.verify_seconds(0, context)
-            probe_cost = self.verify_seconds(1, context) + self.draft_s_per_token - t1
+            probe_cost = self.verify_seconds(1, context) + self.draft_seconds(context) - t1
             self._plain_run += t1
             if self._plain_run * self.probe_budget >= max(probe_cost, 0.0):
                 self._plain_run, k = 0.0, 1

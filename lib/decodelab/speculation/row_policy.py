@@ -166,7 +166,7 @@ class RowBudgetPolicy(AdaptivePolicy):
         k = self._j  # every width a step can take, not only the ks offered
         run = n_active * (1 + k) if a >= 1 else n_active * (1 + a * (1 - a ** k) / (1 - a))
         tokens = np.minimum(run, self.verify_budget if self.verify_budget is not None else np.inf)
-        seconds = self._ratios()[1:] * self.model_seconds(context)[1:] + k * self.draft_s_per_token
+        seconds = self._ratios()[1:] * self.model_seconds(context)[1:] + k * self.draft_seconds(context)
         return float((tokens / seconds).max())
 
     def worth_asking(self, n_active: int, *, context: float) -> bool:
@@ -207,6 +207,7 @@ class RowBudgetPolicy(AdaptivePolicy):
             return torch.from_numpy(best)
         gains = self.row_gains(act, None if caps is None else caps.cpu().numpy())
         spare = (self.verify_budget - n_active) if self.verify_budget is not None else gains.size
+        draft_s = self.draft_seconds(context)
         for k in self.ks:
             if k == 0:
                 continue
@@ -223,7 +224,7 @@ class RowBudgetPolicy(AdaptivePolicy):
             row_k = chosen.reshape(-1, k).sum(1)
             width = int(row_k.max())
             rate = (n_active + float(g[chosen].sum())) / (self.verify_seconds(width, context)
-                                                          + width * self.draft_s_per_token)
+                                                          + width * draft_s)
             if rate > best_rate:
                 best_rate, best = rate, row_k
         # speculate only when it clearly pays: a goodput within the margin is noise in the model

@@ -111,6 +111,9 @@ class SpeculativePolicy(PolicyBase):
             self.drafter.begin(loop.prompts, max_len=loop.cache.max_len)
         if self.policy is not None:
             self.policy.begin(loop.batch)
+            relative_cost = getattr(self.drafter, "relative_cost", None)
+            if relative_cost is not None:  # a model drafter: its cost is known before it drafts
+                self.policy.set_draft_cost(relative_cost(loop.tr))
         self.rows = torch.arange(loop.batch, device=loop.device)
         self.all_active = torch.ones(loop.batch, dtype=torch.bool, device=loop.device)
         self.step_k, self.proposal, self.row_k = None, None, None
