@@ -343,6 +343,8 @@ def test_acceptance_is_learned_per_proposal_kind():
     assert policy.row_acceptance().max() < 0.1
     assert policy.choose_rows(active, context=10.0, kinds=strong).min() > 0  # kind 3: the prior 0.5 drafts
     assert policy.row_acceptance().tolist() == [0.5, 0.5]
+    policy.choose_rows(active, context=10.0)  # no kinds: every row kind 0, the caller's tensors untouched
+    assert weak.tolist() == [1, 1] and strong.tolist() == [3, 3] and policy._kinds.tolist() == [0, 0]
     # without kinds every proposal is one kind: the weak drafts' misses make the same rows pessimistic
     plain = RowBudgetPolicy(lambda b, n, s: 1.0 + 0.01 * np.asarray(n, dtype=float))
     plain.begin(2)

@@ -129,7 +129,7 @@ class RowBudgetPolicy(AdaptivePolicy):
         if kinds is None:
             self._kinds[:] = 0
             return
-        kinds = np.asarray(kinds.cpu().numpy() if torch.is_tensor(kinds) else kinds, dtype=np.int64)
+        kinds = np.array(kinds.cpu().numpy() if torch.is_tensor(kinds) else kinds, dtype=np.int64)  # a copy: ours
         if kinds.shape != self._kinds.shape or kinds.min() < 0 or kinds.max() >= KINDS:
             raise ValueError(f"kinds {kinds.tolist()} must be {len(self._kinds)} ints in [0, {KINDS})")
         self._kinds = kinds

@@ -59,10 +59,11 @@ def prefill_once(model, prompts: list[list[int]], *, max_len: int, layers=None, 
 class SparseKVDrafter(CachedModelDrafter):
     """The target's own `layers` (None: all) + its final norm and head, drafting with attention over only
     `sink` initial + `window` recent positions of each row (its own cache of the target's prompt KV).
-    It gives no `relative_cost`: it reads the target's weights, but its point is the KV it does not read.
 
     Bad input: sink < 0, window < 1, or sink + window larger than the shortest prompt (then the "sparse"
     view is the whole context) raise ValueError at `begin`, before any forward."""
+
+    relative_cost = None  # no cost prior for a policy: it reads the target's weights, but its point is the KV it skips
 
     def __init__(self, model, *, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW, layers=None):
         check_sink_window(sink, window)
@@ -72,7 +73,6 @@ class SparseKVDrafter(CachedModelDrafter):
                                    or layers != sorted(set(layers))):
             raise ValueError(f"layers={layers!r} must be a non-empty increasing list of indices in [0, {tr.n_layers})")
         super().__init__(tr, layers=layers, name="sparse_kv")
-        self.relative_cost = None
         self.sink, self.window = sink, window
         self.prompt_cache: KVCache | None = None
 
