@@ -150,6 +150,31 @@ def test_window_softmax_equals_the_full_sorted_rows():
         assert torch.equal(window.softmax(-1).cumsum(-1), full.softmax(-1).cumsum(-1)[:, V - L:])
 
 
+def test_top_window_is_the_tail_of_the_sort_and_stands_for_it_after_a_top_k_cut():
+    x = hard_logits(2)
+    V = x.shape[-1]
+    for n in (1, 7, 51, 4999, 5000):
+        window = filters.top_window(x, n)
+        L = window.shape[-1]
+        assert L >= n and torch.equal(window, sort_values(x)[:, V - L:])
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(3, 4096, generator=g)
+    window = filters.top_window(y, 11)
+    cut = filters.top_k_threshold(y, 10, window)
+    assert torch.equal(cut, filters.top_k_threshold(y, 10))  # the k-th largest read from the window
+    window.masked_fill_(window < cut, -torch.inf)
+    assert filters.is_full_window(window)
+    tied = y.clone()
+    tied[:, :70] = 9.0  # 70 values tie with the 10th largest: they fill the (aligned, 64-long) window
+    window = filters.top_window(tied, 11)
+    window.masked_fill_(window < filters.top_k_threshold(tied, 10, window), -torch.inf)
+    assert not filters.is_full_window(window)
+    for bad in (float("nan"), float("inf")):
+        z = y.clone()
+        z[1, 5] = bad
+        assert filters.top_window(z, 11) is None
+
+
 def test_top_values_ascending_are_the_tail_of_the_sort():
     x = hard_logits(2)
     for n in (1, 7, 64, 4999, 5000):

@@ -121,18 +121,6 @@ def sorted_kept(logits: torch.Tensor) -> torch.Tensor:
     return _right_aligned_sorted(xn, kept, window_length(n, V))
 
 
-def candidates_window(logits: torch.Tensor, lower: torch.Tensor, min_length: int = 1) -> torch.Tensor:
-    """(B, V), (B, 1) -> (B, L): per row the finite values >= lower, ascending, right-aligned, -inf before
-    them (L = the largest such count, at least min_length, aligned). CPU float tensors only. A row's
-    last c_i entries (c_i its count) are those of its full sort; left of them the window holds -inf
-    where the full sort holds values < lower (or -inf)."""
-    xn = logits.detach().contiguous().numpy()
-    lower = lower.numpy()
-    keep = xn >= lower if np.isfinite(lower).all() else (xn >= lower) & (xn > -np.inf)
-    n = max(int(np.count_nonzero(keep, axis=-1).max()), min_length)
-    return _right_aligned_sorted(xn, keep, window_length(n, xn.shape[-1]))
-
-
 def _right_aligned_sorted(xn: np.ndarray, keep: np.ndarray, length: int) -> torch.Tensor:
     """Each row's values where keep, sorted ascending, at the end of a -inf row of `length`."""
     out = np.full((xn.shape[0], length), -np.inf, dtype=xn.dtype)
@@ -142,20 +130,17 @@ def _right_aligned_sorted(xn: np.ndarray, keep: np.ndarray, length: int) -> torc
     return torch.from_numpy(out)
 
 
-def chunk_max_bound(logits: torch.Tensor, k: int) -> torch.Tensor | None:
-    """(B, V) -> (B, 1): a lower bound on each row's k-th largest value with one max pass: the row cut
-    into k chunks has k chunk maxima, k distinct entries, so the k-th largest is >= the smallest.
-    None where a row holds NaN or +inf (the caller takes the full sort there)."""
-    xn = logits.detach().contiguous().numpy()
-    B, V = xn.shape
-    if k > V:
+def top_window(logits: torch.Tensor, n: int) -> torch.Tensor | None:
+    """(B, V) -> (B, L): each row's L = window_length(n, V) largest values, ascending (the last L entries of
+    ``sort_values(logits)``: the same numbers in the same order), from one ``torch.topk``; None where a row
+    holds NaN or +inf (the caller takes the full sort there). A top-k cut at k < n leaves the window's first
+    entry below the cut, and the window then stands for the full sort, unless ties with the k-th largest
+    reach it (``is_full_window`` tells)."""
+    window = torch.topk(logits, window_length(n, logits.shape[-1]), dim=-1, sorted=True).values.flip(-1)
+    top = window[:, -1]
+    if bool(torch.isnan(top).any()) or bool(torch.isposinf(top).any()):
         return None
-    # k chunks of V // k ids (the last V % k ids left out: k disjoint maxima are still k distinct entries)
-    maxima = xn[:, : k * (V // k)].reshape(B, k, V // k).max(axis=-1)
-    tail = xn[:, k * (V // k):]
-    if np.isnan(maxima).any() or np.isposinf(maxima).any() or not (np.isfinite(tail) | (tail == -np.inf)).all():
-        return None
-    return torch.from_numpy(maxima.min(axis=-1, keepdims=True))
+    return window
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ a chosen stage order over a batch whose rows may each have their own :class:`Sam
 
 Apart from typical sampling every filter is a threshold on the logit. Cost: nothing sorts the whole
 vocabulary unless it must. Temperature and min-p need no sort (min-p is a threshold on the row's max); top-k
-reads its k-th largest value from the values above a one-pass lower bound (``filters.chunk_max_bound``);
+reads its k-th largest value from each row's k + 1 largest (``filters.top_window``, one ``torch.topk``);
 top-p on CPU takes each row's threshold from a window of its largest values that provably holds the nucleus,
 checked exactly, and sorts only the rows no window decides (flat rows, or a boundary within rounding of the
 float32 reference): ``nucleus.top_p_threshold_rows``, bit for bit the full-sort threshold. The last
@@ -48,8 +48,6 @@ from decodelab.core.filters import (
     _WINDOW_FRACTION,
     NEG_INF,
     apply_temperature,
-    candidates_window,
-    chunk_max_bound,
     epsilon_filter,
     epsilon_threshold,
     eta_filter,
@@ -63,6 +61,7 @@ from decodelab.core.filters import (
     top_k_threshold,
     top_p_filter,
     top_p_threshold,
+    top_window,
     typical_filter,
 )
 from decodelab.core.nucleus import row_weights, top_p_threshold_rows
@@ -277,14 +276,11 @@ class Sampler:
                 else:
                     sa = sorted_kept(x)
             if stage == "top_k" and sa is None and x.device.type == "cpu":
-                # every value >= a lower bound on the k-th largest: a window holding each row's top k,
-                # so the k-th largest is read from it; after the cut it stands for the full sort
+                # each row's k + 1 largest values (and more, aligned): the k-th largest is read from them, and
+                # after the cut the window stands for the full sort (its first entry falls below the cut)
                 k_max, V = int(self._cpu["top_k"].max()), x.shape[-1]
-                bound = None
                 if 0 < k_max <= V // (4 * _WINDOW_FRACTION) and bool((self._cpu["top_k"] > 0).all()):
-                    bound = chunk_max_bound(x, k_max)
-                if bound is not None:
-                    sa = candidates_window(x, bound, min_length=k_max)
+                    sa = top_window(x, k_max + 1)
             if thr is None:
                 thr = {
                     "top_k": lambda: top_k_threshold(x, p["top_k"], sa),
