@@ -336,3 +336,19 @@ def test_verdict_lines_carry_the_interval_and_the_mdd_of_an_inconclusive_row():
     held = answers.verdict_line({**row, "finding": "a > b", "estimate": 0.133, "lo": 0.062, "hi": 0.211, "main": True})
     assert held.startswith("**main** · ") and "minimum detectable" not in held
     assert answers.verdict_line({"claim": "c", "finding": "inconclusive"}) == "c: inconclusive"
+
+
+def test_publishing_from_a_fresh_results_folder_keeps_the_other_notebooks_published_entries(generated, tmp_path):
+    _, fake, readme = generated
+    fresh = tmp_path / "fresh-machine-results"  # a clean clone that ran one notebook anew
+    newer = make_run(fresh, "speculation", "20261130-100000-eeeeee", figures=["speedup_vs_batch"],
+                     started="2026-11-30T10:00:00+00:00")
+    findings.update_readme(readme, root=fresh)
+    text = readme.read_text()
+    assert f"<!-- speculation run: speculation/{newer.name} -->" in text
+    assert f"<!-- quickstart run: quickstart/{fake['quickstart'].name} -->" in text  # restored, not dropped
+    assert f"<!-- sampling run: sampling/{fake['sampling'].name} -->" in text
+    published = readme.parent / "docs" / "findings" / findings.PUBLISHED
+    assert (published / "quickstart" / fake["quickstart"].name / "metrics.json").is_file()
+    assert not (published / "speculation" / fake["speculation"].name).exists()  # superseded by the newer run
+    assert findings.check_readme(readme, root=fresh).ok

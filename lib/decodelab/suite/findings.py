@@ -164,6 +164,19 @@ def publish_records(selected: dict[str, report.RunRecord | None], bench: BenchRu
         shutil.copyfile(figure, target)
 
 
+def restore_published(root: Path, docs: Path) -> list[str]:
+    """Copy each published record (docs/findings/runs/<notebook>/<run-id>/) that the results root lacks into
+    it, so the runs a README names stay candidates where results/ holds only newer runs of some notebooks
+    (a fresh clone): without them publishing would drop every other notebook's entry. -> the sources copied."""
+    published, copied = docs / PUBLISHED, []
+    for env in sorted(published.glob("*/*/env.json")) + sorted(published.glob("bench/*/decode.csv")):
+        source = env.parent.relative_to(published).as_posix()
+        if not (root / source).exists():
+            shutil.copytree(env.parent, root / source)
+            copied.append(source)
+    return copied
+
+
 def locate(source: str, root: Path, docs: Path) -> Path | None:
     """Where the run a block names lives: under the results root, else its published record, else None."""
     for base in (root, docs / PUBLISHED):
@@ -223,12 +236,14 @@ def _paths(readme, root, docs_dir) -> tuple[Path, str, Path, Path]:
 
 def update_readme(readme: str | Path, *, root: str | Path | None = None, profile: str = "cpu",
                   docs_dir: str | Path | None = None, allow_loaded: bool = False) -> bool:
-    """Regenerate both blocks of `readme` from the latest runs; return True when its text changed.
+    """Regenerate both blocks of `readme` from the latest runs (the results root's, with the published records
+    it lacks restored into it first: `restore_published`); return True when its text changed.
 
     Raises LoadedRuns (nothing written) when a run shown was loaded or did not record its load and
     would publish timings, unless `allow_loaded`.
     """
     readme, text, root, docs = _paths(readme, root, docs_dir)
+    restore_published(root, docs)
     selected = {name: report.latest_ok(name, root=root, profile=profile) for name in registry.NOTEBOOKS}
     bench = latest_bench(root, profile)
     problems = loaded_problems(selected, bench)
