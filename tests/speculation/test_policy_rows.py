@@ -401,3 +401,10 @@ def test_a_spec_run_gives_the_policy_its_drafters_cost_before_the_first_step(tin
                                k=policy, max_new_tokens=12, eos_token_ids=[])
     assert out.tokens == ref.tokens
     assert policy._draft_fraction == pytest.approx(1.0) and all(k == 0 for k in out.stats.step_k)
+
+
+def test_sweep_rounds_per_batch_read_string_keys_and_name_a_key_that_is_not_a_batch():
+    assert speculative_bench.rounds_by_batch({"1": 4, 4: 3}, [1, 4, 16], 2) == {1: 4, 4: 3, 16: 2}
+    assert speculative_bench.rounds_by_batch({}, [1, 4], 2) == {1: 2, 4: 2}
+    with pytest.raises(ValueError, match=r"keys \[7, 'x'\] are not in batch_sizes; allowed: \[1, 4\]"):
+        speculative_bench.rounds_by_batch({7: 2, "x": 1, 1: 3}, [1, 4], 2)
