@@ -84,8 +84,8 @@ def test_kl_at_masking_cost_reads_the_largest_budget_within_the_wall_limit_and_g
             rows.append({"task": task, "method": "awrs_smc", "forward_passes": passes, "wall_s": wall, "kl": value,
                          "checks_per_token": 5.0})
     assert CC.kl_at_masking_cost(rows, "awrs_smc") == {"a": 0.02, "b": 0.004}  # 12 s <= 1.5 x 10 s < 120 s
-    goals = {g.name: g for g in CC.awrs_goals(rows, vocab_size=1000)}
-    assert goals["awrs_smc_kl_at_masking_cost"].value == 0.02 and goals["awrs_smc_kl_at_masking_cost"].met is False
+    goals = {g.name: g for g in CC.awrs_goals(rows, vocab_size=1000, method="awrs_smc")}
+    assert goals["awrs_kl_at_masking_cost"].value == 0.02 and goals["awrs_kl_at_masking_cost"].met is False
     assert goals["awrs_checks_per_token"].value == 5.0 and goals["awrs_checks_per_token"].met is True
 
 
@@ -183,3 +183,23 @@ def test_remaining_draws_from_p_without_the_removed_tokens_exactly():
         hits[left.draw(grid)] += 1
     assert hits[[5, 0, 3]].sum() == 0
     np.testing.assert_allclose(hits / n, q, atol=2 / n)
+
+
+def test_awrs_draw_with_excluded_tokens_samples_the_rest_of_the_allowed_set_and_estimates_its_mass():
+    # exclude = allowed tokens already known: the draw is p restricted to A minus them, the weight is unbiased
+    # for their complement's mass Z - p(exclude), and with nothing allowed left it reports token -1, weight 0
+    p = tiny_step_probs()
+    allowed, excluded = {0, 2, 5}, [2]
+    rng = np.random.default_rng(7)
+    draws = [awrs_draw(p, allowed.__contains__, rng, exclude=excluded) for _ in range(40_000)]
+    rest = p[[0, 5]].sum()
+    for token in (0, 5):
+        share = np.mean([d.token == token for d in draws])
+        assert share == pytest.approx(p[token] / rest, abs=5 * math.sqrt(0.25 / len(draws)))
+    assert all(d.token != 2 for d in draws)
+    weights = np.array([d.weight for d in draws])
+    assert abs(weights.mean() - rest) < 5 * weights.std() / math.sqrt(len(weights))
+    empty = awrs_draw(p, allowed.__contains__, rng, exclude=sorted(allowed), allow_empty=True)
+    assert empty.token == -1 and empty.weight == 0.0 and empty.checks == len(p) - len(allowed)
+    with pytest.raises(ValueError, match="empty"):
+        awrs_draw(p, allowed.__contains__, rng, exclude=sorted(allowed))

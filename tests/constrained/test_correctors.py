@@ -184,3 +184,68 @@ def test_awrs_smc_single_run_law_approaches_the_target_as_particles_grow():
                            for _ in range(8000 // particles)])
         assert abs(shares.mean() - law["a"]) < 5 * shares.std() / math.sqrt(len(shares)) + 1e-12
     assert abs(exact.masked["a"] - exact.target["a"]) > 0.05  # so the two claims differ
+
+
+def _exact_future_mass(trie) -> list[float]:
+    """F(u) = P(a model continuation of prefix u ends in L), by recursion over the trie (children first)."""
+    future = [0.0] * len(trie)
+    for node in reversed(range(len(trie))):
+        keys, logps = D.allowed_next(trie, node)
+        future[node] = sum(math.exp(lp) * (1.0 if k == D.STOP else future[k]) for k, lp in zip(keys, logps))
+    return future
+
+
+@pytest.mark.parametrize("state", ["fresh", "partial", "exact"])
+def test_twisted_awrs_runs_estimate_each_strings_mass_without_bias_whatever_the_twist(state):
+    # the property that makes awrs_twist exact: for any frozen twist (psi far from F, some allowed tokens known,
+    # others not) E[Z_hat * weight share of s] = p(s), p("a") = 0.15, p("ab") = 0.104; 5 standard errors
+    from decodelab.constrained.awrs_trie import awrs_tables
+    from decodelab.constrained.awrs_twist import LearnedTwist, awrs_twisted_run
+
+    trie = hand_trie_with_forbidden()
+    tables = awrs_tables(trie)
+    twist = LearnedTwist(tables, trie)
+    if state == "partial":  # the root knows token "a" only; psi is off by factors of 3 to 7
+        twist.known[0] = {0: float(tables[0].probs[0])}
+        twist.psi[:] = [0.9, 0.1, 0.7, 0.3][: len(trie)] + [1.0] * (len(trie) - 4)
+    elif state == "exact":
+        for node, t in enumerate(tables):
+            twist.known[node] = {i: float(t.probs[i]) for i in range(len(t.keys))}
+        twist.psi[:] = _exact_future_mass(trie)
+    products = _run_products(lambda rng: awrs_twisted_run(twist, rng, 4, 0.5, learn=False), 6000, seed=11)
+    for s, p_s in {"a": 0.15, "ab": 0.104}.items():
+        values = products[s]
+        assert abs(values.mean() - p_s) < 5 * values.std() / math.sqrt(len(values)) + 1e-12, (s, values.mean(), p_s)
+
+
+def test_twisted_awrs_with_the_exact_twist_samples_the_target_at_weight_one_without_grammar_checks():
+    from decodelab.constrained.awrs_trie import awrs_tables
+    from decodelab.constrained.awrs_twist import UNKNOWN_FLOOR, LearnedTwist, awrs_twisted_run
+
+    trie = hand_trie_with_forbidden()
+    exact = D.exact_distributions(trie, {"a": [3], "ab": [5]})
+    tables = awrs_tables(trie)
+    twist = LearnedTwist(tables, trie)
+    for node, t in enumerate(tables):
+        twist.known[node] = {i: float(t.probs[i]) for i in range(len(t.keys))}
+    twist.psi[:] = _exact_future_mass(trie)
+    rng = np.random.default_rng(0)
+    runs = [awrs_twisted_run(twist, rng, 1, 0.5, learn=False) for _ in range(4000)]
+    # the known branch throughout: no grammar check; each step's weight is 1 / alpha = 1 / (1 - UNKNOWN_FLOOR)
+    # (the AWRS branch, taken with UNKNOWN_FLOOR, finds nothing new and drops its particle), so Z_hat = p(L)
+    known = [r for r in runs if r[3] == 0]
+    assert len(known) > (1 - UNKNOWN_FLOOR) ** 3 * len(runs) * 0.97
+    assert all(math.exp(r[0]) * (1 - UNKNOWN_FLOOR) ** r[2] == pytest.approx(0.254) for r in known)
+    share_a = np.mean([r[1].get("a", 0.0) for r in known])
+    assert share_a == pytest.approx(exact.target["a"], abs=5 * math.sqrt(0.25 / len(known)))
+
+
+def test_twisted_awrs_learns_and_converges_on_the_hand_example_and_a_scored_trie(scored):
+    trie = hand_trie_with_forbidden()
+    exact = D.exact_distributions(trie, {"a": [3], "ab": [5]})
+    row = K.run_corrector(trie, "awrs_twist", exact.target, [20_000], seed=0)[-1]
+    assert row["tv"] < 0.02 and row["masks"] == 0
+    trie, exact = scored
+    row = K.run_corrector(trie, "awrs_twist", exact.target, [200, 20_000], seed=0)[-1]
+    assert row["tv"] < 0.05
+    assert 0 < row["checks"] / row["forward_passes"] < 49152 / 100

@@ -63,5 +63,15 @@ def test_awrs_rows_are_timed_and_check_far_fewer_tokens_than_a_mask_on_smoke(met
     per_token = metrics["checks_per_token"]
     assert 1 <= per_token["awrs"] < 1000 and per_token["awrs_smc"] > per_token["awrs"], per_token  # + weight draws
     assert per_token["masked"] == 0 and per_token["rejection"] == 1, per_token
+    assert per_token["awrs_twist"] < per_token["awrs_smc"], per_token  # the known branch asks no grammar check
     names = {g["name"] for g in metrics["goals"]}
-    assert {"awrs_smc_kl_at_masking_cost", "awrs_checks_per_token"} <= names, names
+    assert {"awrs_kl_at_masking_cost", "awrs_checks_per_token"} <= names, names
+
+
+def test_the_goal_pair_runs_to_the_goal_budget_and_the_other_correctors_to_theirs(metrics, params):
+    top = {}
+    for row in metrics["corrected"]:
+        top[row["method"]] = max(top.get(row["method"], 0), row["forward_passes"])
+    for method, passes in top.items():
+        budget = params["goal_forward_passes"] if method in ("masked", "awrs_twist") else params["max_forward_passes"]
+        assert budget <= passes < budget * 1.2, (method, passes, budget)  # a run that crosses the budget finishes

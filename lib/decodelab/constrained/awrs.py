@@ -42,7 +42,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -56,33 +56,44 @@ class AwrsDraw:
     weight: float    # unbiased estimate of Z = p(A) (nan when weight_draws = 0)
     checks: int      # grammar checks made (one per draw)
     rejected: int    # tokens removed before the acceptance
+    found: tuple[int, ...] = ()  # allowed tokens other than `token` that the weight draws came upon
 
 
 def awrs_draw(probs: np.ndarray, is_allowed: Callable[[int], bool], rng: np.random.Generator, *,
-              weight_draws: int = WEIGHT_DRAWS) -> AwrsDraw:
+              weight_draws: int = WEIGHT_DRAWS, exclude: Iterable[int] = (), allow_empty: bool = False) -> AwrsDraw:
     """One constrained step. probs: (V,) next-token probabilities (normalized here); is_allowed(token) asks
     the grammar about one token; rng: numpy Generator. weight_draws = 0: no weight; else weight_draws + (the
     rejections, at most EXTRA_DRAWS_CAP) draws for it. Raises ValueError when no token of positive probability
-    is allowed (the mask would be empty)."""
+    is allowed (the mask would be empty).
+
+    exclude: tokens removed before the first draw, never checked (e.g. allowed tokens the caller already
+    knows): the draw is then from p restricted to A minus them, and the weight estimates that set's mass
+    Z - p(exclude), in probs' own (normalized) units; the module doc's argument holds with the excluded
+    tokens counted as seen. allow_empty: when nothing allowed is left, return token -1 with weight 0 (the
+    checks made so far counted) instead of raising."""
     if weight_draws < 0:
         raise ValueError(f"weight_draws={weight_draws!r} must be >= 0")
     left = Remaining(probs)
+    for token in exclude:
+        left.remove(token)
     checks = rejected = 0
     while True:
+        if not left.mass > 0 or left.exhausted:
+            if allow_empty:
+                return AwrsDraw(-1, 0.0, checks, rejected)
+            raise ValueError("no allowed token has positive probability: the constrained step is empty")
         token = left.draw(rng)
         checks += 1
         if is_allowed(token):
             break
         left.remove(token)
         rejected += 1
-        if not left.mass > 0:
-            raise ValueError("no allowed token has positive probability: the constrained step is empty")
     if weight_draws == 0:
         return AwrsDraw(token, float("nan"), checks, rejected)
     draws = weight_draws + min(rejected, EXTRA_DRAWS_CAP)  # fixed by R before any weight draw: still unbiased
     known = left.p[token]  # allowed mass found so far: K_1 = p(t)
     left.remove(token)
-    total = 0.0
+    total, found = 0.0, []
     for j in range(draws):
         if left.exhausted:  # every token seen: K_j = Z exactly, for this term and the ones after it
             total += known * (draws - j)
@@ -93,10 +104,11 @@ def awrs_draw(probs: np.ndarray, is_allowed: Callable[[int], bool], rng: np.rand
         if is_allowed(u):
             total += known + mass
             known += left.p[u]
+            found.append(u)
         else:
             total += known
         left.remove(u)
-    return AwrsDraw(token, total / draws, checks, rejected)
+    return AwrsDraw(token, total / draws, checks, rejected, tuple(found))
 
 
 class Remaining:

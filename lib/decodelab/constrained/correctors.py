@@ -15,6 +15,8 @@ prefixes (the grammar checks prefixes), so rejection is charged for the tokens i
 - "awrs" / "awrs_smc": adaptive weighted rejection sampling (Lipkin et al. 2025), per step and as SMC
   proposals with unbiased weights (pooled over the particles at one prefix); see `constrained.awrs` and
   `constrained.awrs_trie`.
+- "awrs_twist": AWRS-SMC with a twist learned between runs (where L's mass lies below each prefix), proposing
+  among the allowed tokens already found in proportion to p times that twist; see `constrained.awrs_twist`.
 - "asap": Adaptive Sampling with Approximate expected futures (Park et al. 2024): sample with
   q_k(t | w) ~ p(t | w) EFG_k(w t), where EFG_k(w) approximates p(L | w) from the prefixes seen so far
   (unseen prefixes: 1), and tighten EFG along each sampled path. q_k -> p(. | L) as the trie fills in.
@@ -28,7 +30,7 @@ import numpy as np
 
 from decodelab.constrained.distortion import STOP, TokenTrie, allowed_next, kl, tv
 
-CORRECTORS = ("masked", "rejection", "smc", "importance", "asap", "awrs", "awrs_smc")
+CORRECTORS = ("masked", "rejection", "smc", "importance", "asap", "awrs", "awrs_smc", "awrs_twist")
 # what each method asks of the grammar per sampled token: a full mask (every vocabulary token checked) or
 # checks of single tokens (rejection: the sampled one; AWRS: each draw, counted as the walk goes)
 FULL_MASK = ("masked", "smc", "importance", "asap")
@@ -139,10 +141,12 @@ def run_corrector(trie: TokenTrie, method: str, target: dict[str, float], budget
                      "masks": cost if method in FULL_MASK else 0,
                      "checks": cost if method == "rejection" else checks})
 
-    if method in ("awrs", "awrs_smc"):
+    if method in ("awrs", "awrs_smc", "awrs_twist"):
         from decodelab.constrained.awrs_trie import awrs_smc_run, awrs_tables, awrs_walk
+        from decodelab.constrained.awrs_twist import LearnedTwist, awrs_twisted_run
 
         awrs = awrs_tables(trie)
+        twist = LearnedTwist(awrs, trie) if method == "awrs_twist" else None
         runs = []
         for budget in budgets:
             while cost < budget:
@@ -150,12 +154,15 @@ def run_corrector(trie: TokenTrie, method: str, target: dict[str, float], budget
                     string, spent, checked = awrs_walk(awrs, trie, rng)
                     counts[string] = counts.get(string, 0.0) + 1.0
                     n += 1
-                else:
+                elif method == "awrs_smc":
                     log_zhat, estimate, spent, checked = awrs_smc_run(awrs, trie, rng, particles, ess_threshold)
+                    runs.append((log_zhat, estimate))
+                else:
+                    log_zhat, estimate, spent, checked = awrs_twisted_run(twist, rng, particles, ess_threshold)
                     runs.append((log_zhat, estimate))
                 cost += spent
                 checks += checked
-            if method == "awrs_smc":
+            if method != "awrs":
                 counts, n = _combine_runs(runs, particles)
             record()
         return rows

@@ -58,14 +58,15 @@ def awrs_line(rows: list[dict], ops: dict) -> str:
 
     frame = pd.DataFrame(rows)
     parts = []
-    for method in ("smc", "awrs_smc", "asap", "rejection", "awrs"):
+    for method in ("awrs_twist", "smc", "awrs_smc", "asap", "rejection", "awrs"):
         kls = kl_at_masking_cost(rows, method)
         if kls:
             parts.append(f"{method} {pd.Series(kls).median():.3g} (worst {max(kls.values()):.3g})")
-    checks = frame[frame.method == "awrs_smc"].checks_per_token
+    checks = {m: frame[frame.method == m].checks_per_token for m in ("awrs_twist", "awrs_smc")}
+    asks = [f"{name} {checks[m].mean():.3g}" for m, name in (("awrs_twist", "twisted AWRS-SMC"), ("awrs_smc", "AWRS-SMC"))
+            if len(checks[m])]
     return (f"- At <= {WALL_FACTOR}x plain masking's wall time, KL to p(x | L) (median over tasks, nats): "
-            + ", ".join(parts) + (f". AWRS-SMC asks the grammar about {checks.mean():.3g} tokens per token"
-                                  if len(checks) else "")
+            + ", ".join(parts) + (f". Grammar checks per sampled token: {', '.join(asks)}" if asks else "")
             + f"; measured here: forward {ops['forward'] * 1e3:.3g} ms, full mask {ops['mask'] * 1e6:.3g} µs, "
               f"one check {ops['check'] * 1e6:.3g} µs, one draw {ops['draw'] * 1e6:.3g} µs.")
 
