@@ -44,6 +44,10 @@ COLORS = {
     "rejection": "#a65628",
     "smc": "#f781bf",
     "asap": "#17becf",
+    "importance": "#fb9a99",
+    "awrs": "#8a3ffc",
+    "awrs_smc": "#33a02c",
+    "awrs_twist": "#0173b2",
     # self-consistency and shared-prefix KV
     "majority": "#59a14f",
     "weighted": "#edc948",
