@@ -102,23 +102,38 @@ def awrs_smc_run(tables: list[AwrsNode], trie: TokenTrie, rng, particles: int, e
         for k, node in moved:  # pooled: every particle at a node gets the mean of their estimates of its Z
             pooled = float(np.mean(estimates[node])) if pool else estimates[node].pop(0)
             logw[k] += math.log(pooled) if pooled > 0 else -math.inf
-        if not np.isfinite(logw).any():
-            return -math.inf, {}, cost, checks
-        alive = [k for k in range(particles) if np.isfinite(logw[k])]
-        if all(done[k] is not None for k in alive):
+        if settled(logw, done):
             break
-        w = np.exp(logw - logw.max())
-        ess = w.sum() ** 2 / (w ** 2).sum()
-        if ess_threshold > 0 and ess < ess_threshold * particles:
-            log_zhat += logw.max() + math.log(w.mean())
-            picks = rng.choice(particles, size=particles, p=w / w.sum())
-            nodes = [nodes[i] for i in picks]
-            done = [done[i] for i in picks]
-            logw = np.zeros(particles)
+        step_zhat, nodes, done, logw = resample(logw, nodes, done, rng, ess_threshold)
+        log_zhat += step_zhat
+    if not np.isfinite(logw).any():
+        return -math.inf, {}, cost, checks
+    final_zhat, estimate = weighted_strings(logw, done)
+    return log_zhat + final_zhat, estimate, cost, checks
+
+
+def settled(logw: np.ndarray, done: list) -> bool:
+    """A run is over when every particle died (weight 0) or every live one has finished."""
+    return all(done[k] is not None for k in range(len(logw)) if np.isfinite(logw[k]))
+
+
+def resample(logw: np.ndarray, nodes: list, done: list, rng, ess_threshold: float):
+    """Multinomial resampling when the effective sample size (sum w)^2 / sum w^2 < ess_threshold * K.
+    logw (K,) -> (log of the mean weight folded into Z_hat, or 0 when no resampling, nodes, done, logw)."""
+    particles = len(logw)
     w = np.exp(logw - logw.max())
-    log_zhat += logw.max() + math.log(w.mean())
+    if not (ess_threshold > 0 and w.sum() ** 2 / (w ** 2).sum() < ess_threshold * particles):
+        return 0.0, nodes, done, logw
+    picks = rng.choice(particles, size=particles, p=w / w.sum())
+    return (logw.max() + math.log(w.mean()), [nodes[i] for i in picks], [done[i] for i in picks],
+            np.zeros(particles))
+
+
+def weighted_strings(logw: np.ndarray, done: list) -> tuple[float, dict[str, float]]:
+    """A finished run's particles -> (log of their mean weight, the last factor of Z_hat; {string: weight share})."""
+    w = np.exp(logw - logw.max())
     estimate: dict[str, float] = {}
-    for k in range(particles):
+    for k, string in enumerate(done):
         if w[k] > 0:
-            estimate[done[k]] = estimate.get(done[k], 0.0) + w[k] / w.sum()
-    return log_zhat, estimate, cost, checks
+            estimate[string] = estimate.get(string, 0.0) + w[k] / w.sum()
+    return logw.max() + math.log(w.mean()), estimate

@@ -36,7 +36,7 @@ import math
 import numpy as np
 
 from decodelab.constrained.awrs import WEIGHT_DRAWS, awrs_draw
-from decodelab.constrained.awrs_trie import EOS, AwrsNode
+from decodelab.constrained.awrs_trie import EOS, AwrsNode, resample, settled, weighted_strings
 from decodelab.constrained.distortion import TokenTrie
 
 UNKNOWN_FLOOR = 0.02  # least probability of the AWRS branch, so tokens not yet known keep a chance
@@ -139,30 +139,16 @@ def awrs_twisted_run(twist: LearnedTwist, rng, particles: int, ess_threshold: fl
             z_hat = float(np.mean(awrs_estimates[node]))
             step_psi = 1.0 if tables[node].keys[index] == EOS else psi[tables[node].keys[index]]
             logw[k] += math.log(z_hat * step_psi / (unknown * psi[node]))
-        if not np.isfinite(logw).any():
-            if learn:
-                _refit(twist, seen)
-            return -math.inf, {}, cost, checks
-        alive = [k for k in range(particles) if np.isfinite(logw[k])]
-        if all(done[k] is not None for k in alive):
+        if settled(logw, done):
             break
-        w = np.exp(logw - logw.max())
-        ess = w.sum() ** 2 / (w ** 2).sum()
-        if ess_threshold > 0 and ess < ess_threshold * particles:
-            log_zhat += logw.max() + math.log(w.mean())
-            picks = rng.choice(particles, size=particles, p=w / w.sum())
-            nodes = [nodes[i] for i in picks]
-            done = [done[i] for i in picks]
-            logw = np.zeros(particles)
+        step_zhat, nodes, done, logw = resample(logw, nodes, done, rng, ess_threshold)
+        log_zhat += step_zhat
     if learn:
         _refit(twist, seen)
-    w = np.exp(logw - logw.max())
-    log_zhat += logw.max() + math.log(w.mean())
-    estimate: dict[str, float] = {}
-    for k in range(particles):
-        if w[k] > 0:
-            estimate[done[k]] = estimate.get(done[k], 0.0) + w[k] / w.sum()
-    return log_zhat, estimate, cost, checks
+    if not np.isfinite(logw).any():
+        return -math.inf, {}, cost, checks
+    final_zhat, estimate = weighted_strings(logw, done)
+    return log_zhat + final_zhat, estimate, cost, checks
 
 
 def _refit(twist: LearnedTwist, seen) -> None:
