@@ -63,8 +63,8 @@ def awrs_line(rows: list[dict], ops: dict) -> str:
         if kls:
             parts.append(f"{method} {pd.Series(kls).median():.3g} (worst {max(kls.values()):.3g})")
     checks = {m: frame[frame.method == m].checks_per_token for m in ("awrs_twist", "awrs_smc")}
-    asks = [f"{name} {checks[m].mean():.3g}" for m, name in (("awrs_twist", "twisted AWRS-SMC"), ("awrs_smc", "AWRS-SMC"))
-            if len(checks[m])]
+    names = {"awrs_twist": "twisted AWRS-SMC", "awrs_smc": "AWRS-SMC"}
+    asks = [f"{names[m]} {checks[m].mean():.3g}" for m in names if len(checks[m])]
     return (f"- At <= {WALL_FACTOR}x plain masking's wall time, KL to p(x | L) (median over tasks, nats): "
             + ", ".join(parts) + (f". Grammar checks per sampled token: {', '.join(asks)}" if asks else "")
             + f"; measured here: forward {ops['forward'] * 1e3:.3g} ms, full mask {ops['mask'] * 1e6:.3g} µs, "
