@@ -205,7 +205,7 @@ def test_twisted_awrs_runs_estimate_each_strings_mass_without_bias_whatever_the_
     trie = hand_trie_with_forbidden()
     tables = awrs_tables(trie)
     twist = LearnedTwist(tables, trie)
-    if state == "partial":  # the root knows token "a" only; psi is off by factors of 3 to 7
+    if state == "partial":  # the root knows token "a" only; psi is far from F (exact: 0.254, 0.58, 0.4, 0.8)
         twist.known[0] = {0: float(tables[0].probs[0])}
         twist.psi[:] = [0.9, 0.1, 0.7, 0.3][: len(trie)] + [1.0] * (len(trie) - 4)
     elif state == "exact":
@@ -218,7 +218,7 @@ def test_twisted_awrs_runs_estimate_each_strings_mass_without_bias_whatever_the_
         assert abs(values.mean() - p_s) < 5 * values.std() / math.sqrt(len(values)) + 1e-12, (s, values.mean(), p_s)
 
 
-def test_twisted_awrs_with_the_exact_twist_samples_the_target_at_weight_one_without_grammar_checks():
+def test_twisted_awrs_with_the_exact_twist_samples_the_target_at_a_constant_weight_without_grammar_checks():
     from decodelab.constrained.awrs_trie import awrs_tables
     from decodelab.constrained.awrs_twist import UNKNOWN_FLOOR, LearnedTwist, awrs_twisted_run
 

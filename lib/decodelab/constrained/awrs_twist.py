@@ -19,9 +19,10 @@ Proposal at a particle's prefix u, a two-branch mixture (alpha = S_K / (S_K + S_
 S_U = psi(u) - S_K; 1 - alpha kept >= UNKNOWN_FLOOR so no allowed token ever has probability 0):
   known branch, probability alpha: t ~ p psi over K(u), no grammar check (already known allowed);
       weight p(t) psi(u t) / (psi(u) alpha p(t) psi(u t) / S_K) = S_K / (alpha psi(u));
-  AWRS branch, probability 1 - alpha: t ~ AWRS (p restricted to A(u)); t in K(u): weight 0 (that part of
-      A belongs to the other branch); else weight Zhat psi(u t) / ((1 - alpha) psi(u)), Zhat AWRS's estimate,
-      unbiased for Z given t (`awrs.awrs_law`), pooled over the AWRS-branch particles at u as in `awrs_trie`.
+  AWRS branch, probability 1 - alpha: t ~ AWRS over A(u) minus K(u) (`awrs.awrs_draw(exclude=K(u))`, K's
+      tokens removed before the first draw, never checked); weight Zhat_U psi(u t) / ((1 - alpha) psi(u)),
+      Zhat_U AWRS's estimate of Z(u) - p(K(u)), unbiased given t (`awrs.awrs_law`), pooled over the
+      AWRS-branch particles at u as in `awrs_trie`; nothing allowed left: the particle's weight is 0.
 Either way E[weight | t] equals the twisted target's p(t) psi(u t) / (psi(u) r(t)), so each run is a
 random-weight SMC for p(. | L) and its Z_hat is unbiased; psi only moves variance. With psi = F and every
 allowed token known the known branch samples p(. | L) exactly at weight 1. Runs are combined by their Z_hat

@@ -33,6 +33,7 @@ WALL_FACTOR = 1.5     # ... within this multiple of plain masking's wall time
 AWRS_METHODS = ("awrs", "awrs_smc", "awrs_twist")
 JUDGED = "awrs_twist"  # the exact AWRS sampler the goal is judged on; GOAL_PAIR run to the larger budget
 GOAL_PAIR = ("masked", JUDGED)
+REMOVED_WHEN_TIMED = 16  # rejected tokens an AWRS draw walks past when timed (about a step's rejections)
 
 
 def budgets_for(method: str, max_forward_passes: int, goal_forward_passes: int | None = None) -> list[int]:
@@ -50,7 +51,6 @@ def budgets_for(method: str, max_forward_passes: int, goal_forward_passes: int |
 
     top = goal_forward_passes if goal_forward_passes is not None and method in GOAL_PAIR else max_forward_passes
     return budgets_up_to(top)
-REMOVED_WHEN_TIMED = 16  # rejected tokens an AWRS draw walks past when timed (about a step's rejections)
 
 
 def _mean_seconds(fn, repeats: int) -> float:
