@@ -333,3 +333,25 @@ def test_distillation_skips_the_evaluation_workloads_files():
         train_files = sorted(skip)
 
     assert distill.training_texts(Corpus()) == []
+
+
+def test_drafter_rows_at_batch_1_pool_prompts_decoded_one_at_a_time():
+    # batch1_prompts = 2: both prompts decoded alone, rows in order, acceptance and tau pooled from the counts of
+    # the two runs (not averaged rates), and each row still equals plain greedy
+    from decodelab.mtp import draft_eval
+    from decodelab.speculation.decode import generate as spec_generate
+    from decodelab.speculation.drafters import make_drafter
+
+    tr = Transformer.from_hf(frozen())
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8]]
+    rows = draft_eval.drafter_rows(tr, {"ngram": lambda: make_drafter("ngram", tr)}, {"code_edit": prompts}, [1],
+                                   k=2, max_new_tokens=6, batch1_prompts=2)
+    (row,) = rows
+    assert row["rows"] == 2 and row["rows_identical"] == 2 and row["greedy_match"]
+    alone = [spec_generate(tr, [p], make_drafter("ngram", tr), k=2, max_new_tokens=6).stats for p in prompts]
+    assert row["tau"] == sum(s.emitted for s in alone) / sum(s.row_steps for s in alone)
+    reached = [sum(v) for v in zip(*(s.reached for s in alone))][:2]
+    accepted = [sum(v) for v in zip(*(s.accepted for s in alone))][:2]
+    assert reached[0] > 0 and row["acceptance"] == [a / r if r else None for a, r in zip(accepted, reached)]
+    with pytest.raises(ValueError, match="batch1_prompts=0"):
+        draft_eval.drafter_rows(tr, {}, {"code_edit": prompts}, [1], k=1, max_new_tokens=2, batch1_prompts=0)

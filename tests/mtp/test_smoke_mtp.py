@@ -75,6 +75,9 @@ def test_shipped_module_keeps_next_token_logits_and_greedy_output_on_smoke(metri
     rows = metrics["retrofit_module_drafting"]
     assert {row["drafter"] for row in rows} == {"mtp", "ngram", "layer_skip"}
     assert all(row["greedy_match"] is True and row["tau"] >= 1.0 for row in rows)
+    assert all(row["rows_identical"] == row["rows"] for row in rows)
+    # batch 1 decodes draft_batch1_prompts prompts one at a time; larger batches decode their rows together
+    assert all(row["rows"] == (params["draft_batch1_prompts"] if row["batch"] == 1 else row["batch"]) for row in rows)
     assert metrics["retrofit_module_greedy_match"] is True
     for row in rows:  # the part-vocabulary drafter says how much of plain greedy's output it could draft
         if row["drafter"] == "mtp" and params["draft_vocab"] is not None:

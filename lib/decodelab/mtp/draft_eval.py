@@ -5,6 +5,10 @@ size, plain greedy decoding against greedy speculative decoding through the gene
 (`decodelab.speculation.decode.generate`) with each drafter: same prompts, same `max_new_tokens`, same EOS
 set, runs alternating (order flipped each repeat), fastest of `repeats` kept, greedy output compared row by
 row. Acceptance per draft position is the loop's own count (`SpecStats.acceptance_per_position`).
+
+Batch 1 decodes `batch1_prompts` prompts one at a time inside each timed call (their times add up, their
+acceptance counts pool): one prompt of 48 tokens gives a drafter ~20 judged drafts, too few to read an
+acceptance rate or a speedup from.
 """
 from __future__ import annotations
 
@@ -20,34 +24,64 @@ def category_prompts(tokenizer, categories: list[str], n: int) -> dict[str, list
     return {c: workload_prompts(tokenizer, load_workloads(categories=[c]), n) for c in categories}
 
 
+class _Pooled:
+    """Several batch-1 runs read as one: their rows in order, acceptance counts and tau pooled."""
+
+    def __init__(self, results: list):
+        self.tokens = [row for r in results for row in r.tokens]
+        self.stats = self
+        spec = [r.stats for r in results if hasattr(r.stats, "reached")]
+        self.reached = [sum(v) for v in zip(*(s.reached for s in spec))] if spec else []
+        self.accepted = [sum(v) for v in zip(*(s.accepted for s in spec))] if spec else []
+        self.emitted = sum(s.emitted for s in spec)
+        self.row_steps = sum(s.row_steps for s in spec)
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.row_steps if self.row_steps else float("nan")
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+
 def _finite(values: list[float], k: int) -> list[float | None]:
     return [None if (v != v or math.isinf(v)) else v for v in list(values)[:k]]
 
 
 def drafter_rows(target, drafters: dict, prompts_by_category: dict[str, list[list[int]]], batch_sizes: list[int], *,
-                 k: int, max_new_tokens: int, eos_token_ids: list[int] | None = None, repeats: int = 1) -> list[dict]:
-    """One row per (category, batch, drafter): {"category", "batch", "drafter", "k", "tau", "acceptance"
-    (per draft position, None where no draft reached it), "speedup" (plain s / speculative s, fastest runs),
-    "plain_s", "spec_s", "greedy_match", "rows_identical", "vocab_coverage" (the share of plain greedy's
-    tokens the drafter's vocabulary holds, for drafters that draft from part of it; else None)}.
+                 k: int, max_new_tokens: int, eos_token_ids: list[int] | None = None, repeats: int = 1,
+                 batch1_prompts: int = 1) -> list[dict]:
+    """One row per (category, batch, drafter): {"category", "batch", "rows" (rows decoded: the batch, or at
+    batch 1 the prompts decoded one at a time), "drafter", "k", "tau", "acceptance" (per draft position, None
+    where no draft reached it), "speedup" (plain s / speculative s, fastest runs), "plain_s", "spec_s",
+    "greedy_match", "rows_identical", "vocab_coverage" (the share of plain greedy's tokens the drafter's
+    vocabulary holds, for drafters that draft from part of it; else None)}.
 
-    target: the frozen model's `Transformer`; drafters: {name: a zero-argument factory of a fresh `Drafter`}.
+    target: the frozen model's `Transformer`; drafters: {name: a zero-argument factory of a fresh `Drafter`};
+    batch1_prompts: prompts decoded one after another at batch 1 (module doc).
     """
     from decodelab.core.engine import generate as plain_generate
     from decodelab.speculation.decode import generate as spec_generate
 
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k={k!r} must be an int >= 1")
+    if isinstance(batch1_prompts, bool) or not isinstance(batch1_prompts, int) or batch1_prompts < 1:
+        raise ValueError(f"batch1_prompts={batch1_prompts!r} must be an int >= 1")
     eos = list(eos_token_ids or [])
     rows = []
     for category, prompts in prompts_by_category.items():
         for batch in batch_sizes:
-            chosen = [prompts[i % len(prompts)] for i in range(batch)]
+            groups = ([[prompts[i % len(prompts)]] for i in range(batch1_prompts)] if batch == 1
+                      else [[prompts[i % len(prompts)] for i in range(batch)]])
+            chosen = [p for group in groups for p in group]
             outputs: dict = {}
-            calls = {"plain": lambda: plain_generate(target, chosen, max_new_tokens=max_new_tokens, eos_token_ids=eos)}
+            plain_one = lambda g: plain_generate(target, g, max_new_tokens=max_new_tokens, eos_token_ids=eos)  # noqa: E731
+            calls = {"plain": lambda: _Pooled([plain_one(g) for g in groups])}
             for name, factory in drafters.items():
-                calls[name] = (lambda f=factory: spec_generate(target, chosen, f(), k=k, max_new_tokens=max_new_tokens,
-                                                               eos_token_ids=eos))
+                spec_one = lambda g, f=factory: spec_generate(target, g, f(), k=k, max_new_tokens=max_new_tokens,  # noqa: E731
+                                                              eos_token_ids=eos)
+                calls[name] = lambda one=spec_one: _Pooled([one(g) for g in groups])
 
             def keeping(name):
                 def call():
@@ -61,10 +95,10 @@ def drafter_rows(target, drafters: dict, prompts_by_category: dict[str, list[lis
                 same = sum(a == b for a, b in zip(out.tokens, plain.tokens))
                 probe = drafters[name]()
                 covered = probe.vocab_coverage(chosen, plain.tokens) if hasattr(probe, "vocab_coverage") else None
-                rows.append({"category": category, "batch": batch, "drafter": name, "k": k, "tau": out.stats.tau,
-                             "acceptance": _finite(out.stats.acceptance_per_position, k),
+                rows.append({"category": category, "batch": batch, "rows": len(chosen), "drafter": name, "k": k,
+                             "tau": out.stats.tau, "acceptance": _finite(out.stats.acceptance_per_position, k),
                              "speedup": plain_s / min(times[name]), "plain_s": plain_s, "spec_s": min(times[name]),
-                             "greedy_match": same == batch, "rows_identical": same, "vocab_coverage": covered})
+                             "greedy_match": same == len(chosen), "rows_identical": same, "vocab_coverage": covered})
     return rows
 
 
