@@ -355,3 +355,21 @@ def test_drafter_rows_at_batch_1_pool_prompts_decoded_one_at_a_time():
     assert reached[0] > 0 and row["acceptance"] == [a / r if r else None for a, r in zip(accepted, reached)]
     with pytest.raises(ValueError, match="batch1_prompts=0"):
         draft_eval.drafter_rows(tr, {}, {"code_edit": prompts}, [1], k=1, max_new_tokens=2, batch1_prompts=0)
+
+
+def test_best_k_reads_the_fastest_draft_length_and_the_claim_reports_it():
+    from decodelab.mtp import draft_eval, findings
+
+    def row(k, speedup, tau):
+        return {"category": "code_edit", "batch": 1, "rows": 4, "drafter": "mtp", "k": k, "tau": tau,
+                "acceptance": [0.4] * k, "speedup": speedup}
+
+    rows = [row(3, 1.20, 1.6), row(1, 1.31, 1.4), row(2, 1.28, 1.5)]
+    assert draft_eval.best_k(rows, drafter="mtp", category="code_edit", batch=1)["k"] == 1
+    assert draft_eval.best_k(rows, drafter="mtp", category="chat", batch=1) is None
+    assert draft_eval.pick(rows, "tau", drafter="mtp", category="code_edit") == 1.6  # the comparison's own k first
+    assert draft_eval.pick(rows, "tau", drafter="mtp", category="code_edit", k=2) == 1.5
+    record = {"name": "m", "sha256": "0" * 64, "model": "tiny", "spec": rt.RetrofitSpec().as_dict(),
+              "distill_set": {"tokens": 1000}, "train_s": 120.0, "data_s": 60.0, "load_average": [1.0, 1.0, 1.0]}
+    lines = findings.module_claim({"source": "shipped", "record": record}, rows)
+    assert any("fastest draft length at batch 1 is k=1: 1.31x" in line for line in lines), lines

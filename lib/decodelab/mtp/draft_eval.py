@@ -103,9 +103,10 @@ def drafter_rows(target, drafters: dict, prompts_by_category: dict[str, list[lis
 
 
 def pick(rows: list[dict], key: str, *, drafter: str, category: str, batch: int | None = None,
-         position: int | None = None):
-    """One value from `drafter_rows` (batch None: the smallest batch measured), or None if not measured."""
-    mine = [r for r in rows if r["drafter"] == drafter and r["category"] == category]
+         position: int | None = None, k: int | None = None):
+    """One value from `drafter_rows` (batch None: the smallest batch measured; k None: the first row, the
+    comparison's own draft length), or None if not measured."""
+    mine = [r for r in rows if r["drafter"] == drafter and r["category"] == category and (k is None or r["k"] == k)]
     if batch is None and mine:
         batch = min(r["batch"] for r in mine)
     mine = [r for r in mine if r["batch"] == batch]
@@ -115,3 +116,11 @@ def pick(rows: list[dict], key: str, *, drafter: str, category: str, batch: int 
     if position is not None:
         value = value[position] if value is not None and len(value) > position else None
     return value
+
+
+def best_k(rows: list[dict], *, drafter: str, category: str, batch: int) -> dict | None:
+    """The fastest of a drafter's rows over the draft lengths measured at (category, batch), each against
+    its own interleaved plain runs, or None. (The best of a few noisy speedups leans high by about their
+    spread: read it with the row's k and the other k's rows.)"""
+    mine = [r for r in rows if r["drafter"] == drafter and r["category"] == category and r["batch"] == batch]
+    return max(mine, key=lambda r: r["speedup"]) if mine else None

@@ -196,7 +196,7 @@ def module_claim(module: dict, rows: list[dict], *, category: str = "code_edit")
     module: {"name", "source", "record"} (`decodelab.mtp.shipped.obtain_module`'s, record = record.json);
     rows: `decodelab.mtp.draft_eval.drafter_rows` (drafters "mtp", "ngram", "layer_skip").
     """
-    from decodelab.mtp.draft_eval import pick
+    from decodelab.mtp.draft_eval import best_k, pick
 
     record = module["record"]
     spec = record["spec"]
@@ -222,6 +222,11 @@ def module_claim(module: dict, rows: list[dict], *, category: str = "code_edit")
         if t is not None:
             others.append(f"{name} tau {t:.2f}, {s:.2f}x")
     lines.append(text + (f" ({'; '.join(others)})." if others else "."))
+    fastest = best_k(rows, drafter="mtp", category=category, batch=batch1)
+    if fastest is not None and fastest["k"] != len(acc):
+        lines.append(f"Its fastest draft length at batch {batch1} is k={fastest['k']}: {fastest['speedup']:.2f}x "
+                     f"(tau {fastest['tau']:.2f}).")
+        speed = fastest["speedup"]
     first = acc[0] if acc else None
     if first is not None and first >= 0.60 and speed >= 1.3:
         verdict = ("yes: a module trained after the fact on the model's own outputs drafts at DeepSeek's "
