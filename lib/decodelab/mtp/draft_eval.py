@@ -25,24 +25,18 @@ def category_prompts(tokenizer, categories: list[str], n: int) -> dict[str, list
 
 
 class _Pooled:
-    """Several batch-1 runs read as one: their rows in order, acceptance counts and tau pooled."""
+    """Several batch-1 runs read as one: their rows in order; for speculative runs, one `SpecStats` holding
+    the runs' summed acceptance counts (so tau and acceptance pool counts, not rates)."""
 
     def __init__(self, results: list):
+        from decodelab.speculation.decode import SpecStats
+
         self.tokens = [row for r in results for row in r.tokens]
-        self.stats = self
-        spec = [r.stats for r in results if hasattr(r.stats, "reached")]
-        self.reached = [sum(v) for v in zip(*(s.reached for s in spec))] if spec else []
-        self.accepted = [sum(v) for v in zip(*(s.accepted for s in spec))] if spec else []
-        self.emitted = sum(s.emitted for s in spec)
-        self.row_steps = sum(s.row_steps for s in spec)
-
-    @property
-    def tau(self) -> float:
-        return self.emitted / self.row_steps if self.row_steps else float("nan")
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+        spec = [r.stats for r in results if isinstance(r.stats, SpecStats)]
+        self.stats = SpecStats(batch_size=len(results), prompt_tokens=sum(s.prompt_tokens for s in spec),
+                               row_steps=sum(s.row_steps for s in spec), emitted=sum(s.emitted for s in spec),
+                               reached=[sum(v) for v in zip(*(s.reached for s in spec))],
+                               accepted=[sum(v) for v in zip(*(s.accepted for s in spec))]) if spec else None
 
 
 def _finite(values: list[float], k: int) -> list[float | None]:
