@@ -373,3 +373,13 @@ def test_best_k_reads_the_fastest_draft_length_and_the_claim_reports_it():
               "distill_set": {"tokens": 1000}, "train_s": 120.0, "data_s": 60.0, "load_average": [1.0, 1.0, 1.0]}
     lines = findings.module_claim({"source": "shipped", "record": record}, rows)
     assert any("fastest draft length at batch 1 is k=1: 1.31x" in line for line in lines), lines
+
+
+def test_best_k_note_lists_every_draft_length_and_names_the_fastest():
+    from decodelab.mtp import draft_eval
+
+    rows = [{"category": "code_edit", "batch": 1, "drafter": "mtp", "k": k, "speedup": s}
+            for k, s in ((3, 1.25), (1, 1.27), (2, 1.33))]
+    assert (draft_eval.best_k_note(rows, drafter="mtp", category="code_edit", batch=1)
+            == "k = 2 of [1, 2, 3] (k = 1: 1.27x, k = 2: 1.33x, k = 3: 1.25x); ")
+    assert draft_eval.best_k_note(rows, drafter="mtp", category="chat", batch=1) == ""

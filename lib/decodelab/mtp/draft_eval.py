@@ -118,3 +118,14 @@ def best_k(rows: list[dict], *, drafter: str, category: str, batch: int) -> dict
     spread: read it with the row's k and the other k's rows.)"""
     mine = [r for r in rows if r["drafter"] == drafter and r["category"] == category and r["batch"] == batch]
     return max(mine, key=lambda r: r["speedup"]) if mine else None
+
+
+def best_k_note(rows: list[dict], *, drafter: str, category: str, batch: int) -> str:
+    """"k = 2 of [1, 2, 3] (k = 1: 1.27x, k = 2: 1.33x, k = 3: 1.25x); " for `best_k`'s goal note, "" if none."""
+    mine = sorted((r for r in rows if r["drafter"] == drafter and r["category"] == category and r["batch"] == batch),
+                  key=lambda r: r["k"])
+    if not mine:
+        return ""
+    fastest = best_k(rows, drafter=drafter, category=category, batch=batch)
+    each = ", ".join(f"k = {r['k']}: {r['speedup']:.2f}x" for r in mine)
+    return f"k = {fastest['k']} of {[r['k'] for r in mine]} ({each}); "
