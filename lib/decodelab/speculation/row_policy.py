@@ -105,7 +105,7 @@ class RowBudgetPolicy(AdaptivePolicy):
     def pooled_acceptance(self) -> np.ndarray:
         """(KINDS,) every kind's acceptance over all rows, shrunk towards PRIOR_ACCEPTANCE."""
         s = self.prior_strength
-        return (self.pool_accepted + s * PRIOR_ACCEPTANCE) / (self.pool_reached + s)
+        return np.broadcast_to((self.pool_accepted + s * PRIOR_ACCEPTANCE) / (self.pool_reached + s), (KINDS,))
 
     def _settle(self) -> None:
         """Apply the decay of the plain steps since the row counts were last read (`update_plain` defers it:
