@@ -295,6 +295,27 @@ def test_fused_block_attention_equals_the_explicit_path(with_mask):
     torch.testing.assert_close(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_fused_block_attention_in_bf16_matches_the_float32_path(with_mask):
+    # bf16 goes through the fused kernel: its lse stays float32, its output equals the float32 explicit path
+    # on the same (bf16-rounded) inputs up to one bf16 rounding of the output.
+    from decodelab.core.shared_prefix import block_attention
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, m, 16, generator=g).bfloat16() for m in (5, 40, 40))
+    visible = None
+    if with_mask:
+        visible = torch.rand(2, 1, 5, 40, generator=g) < 0.6
+        visible[1, 0, 3] = False
+    out, lse = block_attention(q, k, v, visible, 0.25)
+    want_out, want_lse = partial_attention(q.float(), k.float(), v.float(), visible, 0.25)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.float(), want_out, rtol=8e-3, atol=8e-3)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[finite], want_lse[finite], rtol=1e-4, atol=1e-4)
+
+
 def test_shared_prefix_attention_equals_per_row_attention_at_decode_shapes():
     # One decode step of 16 rows over a 300-token shared prompt (the embedded model's heads: 9 query, 3 KV),
     # float32 through the fused path: equal to standard attention over each row's own copy to 1e-5.
