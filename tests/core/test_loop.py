@@ -154,3 +154,28 @@ def test_every_decoder_validates_max_new_tokens_the_same_way(tiny, bad):
                  lambda: engine.validate_generation_args(PROMPTS, bad)):
         with pytest.raises(ValueError, match="max_new_tokens=.* must be an integer >= 1"):
             call()
+
+
+
+def test_loop_runs_in_inference_mode_and_its_state_stays_usable_outside(tiny, monkeypatch):
+    # The token loop runs under torch.inference_mode (less per-op bookkeeping than no_grad). What outlives it
+    # must stay usable by ordinary code: a sampler's reused scratch buffers (written in place), a caller's
+    # prefilled cache (decoded into, rolled back, decoded again to the same tokens).
+    from decodelab.core.sampling import Sampler, SamplerConfig
+    from decodelab.core.transformer import Transformer
+
+    modes, forward = [], Transformer.forward
+    monkeypatch.setattr(Transformer, "forward",
+                        lambda self, *a, **k: modes.append(torch.is_inference_mode_enabled()) or forward(self, *a, **k))
+    sampler = Sampler(SamplerConfig(temperature=0.8))
+    engine.generate(tiny, [[1, 2, 3], [4, 5]], max_new_tokens=4, sampler=sampler, eos_token_ids=[],
+                    generator=[torch.Generator().manual_seed(s) for s in range(2)])
+    assert modes and all(modes) and not torch.is_inference_mode_enabled()
+    logits = torch.randn(2, engine.as_transformer(tiny).vocab_size)
+    sampler.sample(logits, [torch.Generator().manual_seed(s) for s in range(2)])  # its scratch, outside the loop
+    cache, last = engine.prefill(engine.as_transformer(tiny), [[1, 2, 3]], max_new_tokens=4)
+    start = cache.lengths.clone()
+    first = engine.generate(tiny, [[1, 2, 3]], max_new_tokens=4, eos_token_ids=[], prefilled=(cache, last)).tokens
+    cache.truncate(start)
+    again = engine.generate(tiny, [[1, 2, 3]], max_new_tokens=4, eos_token_ids=[], prefilled=(cache, last)).tokens
+    assert first == again

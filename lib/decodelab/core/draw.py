@@ -30,7 +30,8 @@ def scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     buf = buffers.get(name)
     if buf is None or tuple(buf.shape) != tuple(shape):
-        buf = buffers[name] = torch.empty(shape, dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: writable both inside the token loop and outside it
+            buf = buffers[name] = torch.empty(shape, dtype=torch.float32)
     return buf
 
 

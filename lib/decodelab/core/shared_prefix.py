@@ -53,16 +53,11 @@ def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`partial_attention`'s (out, lse) for 4-D inputs, through PyTorch's fused CPU flash kernel (which also
-    returns the lse) on CPU: one pass instead of ~10 ops each writing an (M, S) intermediate, most of the
-    attention time at a 1024-token prompt on a CPU. bf16 inputs go through it too: the kernel accumulates in
-    float32 like the explicit path and returns a float32 lse, and skips the explicit path's float32 copies of
-    the prompt's keys and values (measured quiet on an Intel Xeon, 48 queries x 1024 keys x 3 KV heads:
-    129 us against 1293 us; the decode step of 64 rows sharing a 1024-token prompt: 76 ms against 108 ms).
-    float16 keeps the explicit float32 path. A query that sees no key gets lse = -inf (the kernel returns 0),
-    so the merge still gives it zero weight."""
+    returns the lse) on CPU, float32 and bf16 (float32 accumulation and lse, no float32 copy of the prompt KV:
+    129 against 1293 us at 48 queries x 1024 keys x 3 KV heads, quiet Intel Xeon); float16 keeps the explicit
+    path. A query that sees no key gets lse = -inf (the kernel returns 0): zero weight in the merge."""
     kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    fused = (torch.float32, torch.float64, torch.bfloat16)
-    if kernel is None or q.device.type != "cpu" or q.dtype not in fused or q.dim() != 4:
+    if kernel is None or q.device.type != "cpu" or q.dtype == torch.float16 or q.dim() != 4:
         return partial_attention(q, keys, values, visible, scale)
     bias = None
     if visible is not None:
