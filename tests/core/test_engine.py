@@ -125,3 +125,23 @@ def test_embedded_model_greedy_matches_transformers(smol, chat_ids):
         assert tokens == reference[: len(tokens)]
         assert len(tokens) == 24 or tokens[-1] in smol.eos_token_ids
     assert "Paris" in smol.tokenizer.decode(result.tokens[0])
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_the_transformers_module_bit_for_bit(tiny, dtype):
+    import copy
+
+    from decodelab.core.engine import as_transformer
+    from decodelab.core.transformer import rms_norm
+
+    tr = as_transformer(tiny)
+    assert type(tr.final_norm).__name__ == "LlamaRMSNorm"
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for source in (tr.final_norm, tr.layers[0].input_layernorm):
+            norm = copy.deepcopy(source).to(dtype)  # the fixture's own modules stay untouched
+            norm.weight.copy_(torch.randn(norm.weight.shape, generator=g) * 0.5 + 1)  # not all ones
+            for scale in (1e-3, 1.0, 50.0):
+                x = (torch.randn(4, 3, tr.hidden_size, generator=g) * scale).to(dtype)
+                assert torch.equal(rms_norm(norm, x), norm(x))

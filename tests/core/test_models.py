@@ -197,3 +197,37 @@ def test_bf16_where_the_cpu_lacks_it_names_what_is_available(no_loading, monkeyp
 
 def test_available_dtypes_always_offers_float32():
     assert models.available_dtypes(torch.device("cpu"))[0] == "float32"
+
+
+def tiny_qwen3_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_forward_equals_transformers_on_each_supported_family(family):
+    # Our forward over the family's own modules (Qwen2's q/k/v biases, Qwen3's per-head q/k norms, each
+    # RMSNorm class) gives transformers' logits, prompt and decode steps alike.
+    import transformers
+
+    from decodelab.core import engine
+
+    config = {"mistral": lambda: tiny_mistral_config(sliding_window=None), "qwen2": tiny_qwen2_config,
+              "qwen3": tiny_qwen3_config}[family]()
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # random norm weights too, so a norm computed wrongly shows
+            p.add_(torch.randn(p.shape) * 0.05)
+    tr = Transformer.from_hf(hf)
+    ids = [[3, 9, 4, 17, 22, 5], [8, 1, 30, 2, 2, 7]]
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits
+        cache, _ = engine.prefill(tr, [row[:4] for row in ids], max_new_tokens=2)
+        whole = tr.forward(torch.tensor([row[:4] for row in ids]), tr.new_cache(2, 6))
+        steps = [engine.decode_step(tr, cache, torch.tensor([row[t] for row in ids])) for t in (4, 5)]
+    torch.testing.assert_close(whole, want[:, :4], rtol=1e-4, atol=1e-4)
+    for t, step in zip((4, 5), steps):
+        torch.testing.assert_close(step, want[:, t], rtol=1e-4, atol=1e-4)

@@ -53,7 +53,7 @@ class PackedLinears:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self._packed: dict[tuple[int, ...], tuple] = {}  # module ids -> (weight stamps, packed, bias)
+        self._packed: dict[tuple[torch.nn.Linear, ...], tuple] = {}  # modules -> (dtype, stamps, packed, bias)
 
     def _usable(self, module: torch.nn.Linear, x: torch.Tensor) -> bool:
         return (self.enabled and x.dtype in PACKED_DTYPES and module.weight.dtype == x.dtype
@@ -69,18 +69,46 @@ class PackedLinears:
         (q/k/v, gate/up), where each separate call would pay oneDNN's fixed cost (~20 us here, as much as
         a 576 x 576 bf16 product) again. Each output column is the same dot product over K either way:
         the results equal the separate calls bit for bit (tested); they are views into one output."""
-        if not all(self._usable(m, x) for m in modules):
+        entry = self._entry(modules, x)
+        if entry is None:
             return tuple(m(x) for m in modules)
-        stamp = tuple((m.weight._version, m.weight.data_ptr()) for m in modules)
-        key = tuple(id(m) for m in modules)
-        entry = self._packed.get(key)
-        if entry is None or entry[0] != stamp:
-            weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
-            bias = None
-            if any(m.bias is not None for m in modules):  # a missing bias adds zeros: the same numbers
-                bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
-                                  for m in modules])
-            entry = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight), bias)
-            self._packed[key] = entry
-        out = torch.ops.mkldnn._linear_pointwise(x, entry[1], entry[2], "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x, entry[2], entry[3], "none", [], "")
         return out.split([m.out_features for m in modules], dim=-1) if len(modules) > 1 else (out,)
+
+    def fused(self, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
+        """`group`'s outputs side by side in one tensor (..., sum of N): packed, the one product itself; else
+        the modules' outputs concatenated."""
+        entry = self._entry(modules, x)
+        if entry is None:
+            outs = [m(x) for m in modules]
+            return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+        return torch.ops.mkldnn._linear_pointwise(x, entry[2], entry[3], "none", [], "")
+
+    def _entry(self, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple | None:
+        """The packed entry for these modules and x, (re)packed when missing or stale; None where the packed
+        path does not apply. A decode step asks ~120 times, so a hit checks only what can change between
+        calls: x's dtype and device, grad mode, and each weight's (version, storage) stamp."""
+        entry = self._packed.get(modules)
+        if (entry is None or not self.enabled or x.dtype != entry[0] or x.device.type != "cpu"
+                or torch.is_grad_enabled() or entry[1] != _stamps(modules)):
+            if not all(self._usable(m, x) for m in modules):
+                return None
+            entry = self._pack(modules)
+        return entry
+
+    def _pack(self, modules: tuple[torch.nn.Linear, ...]) -> tuple:
+        weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+        bias = None
+        if any(m.bias is not None for m in modules):  # a missing bias adds zeros: the same numbers
+            bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                              for m in modules])
+        entry = (weight.dtype, _stamps(modules), torch.ops.mkldnn._reorder_linear_weight(weight), bias)
+        self._packed[modules] = entry
+        return entry
+
+
+def _stamps(modules: tuple[torch.nn.Linear, ...]) -> tuple:
+    """What changes when a weight does: its version counter (in-place updates) and storage (a new tensor).
+    Read through `_parameters`, not the module's attribute lookup, which costs more than the check."""
+    weights = [m._parameters["weight"] for m in modules]
+    return tuple((w._version, w.data_ptr()) for w in weights)
