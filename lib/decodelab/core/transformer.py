@@ -145,7 +145,7 @@ class Transformer(torch.nn.Module):
         # q and k side by side: (B, T, H + K, D); RoPE is elementwise with the same cos/sin for every head.
         qk = qkv[..., :(heads + kv_heads) * dim].view(batch, n_new, heads + kv_heads, dim)
         v = qkv[..., (heads + kv_heads) * dim:].view(batch, n_new, kv_heads, dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalizes q and k per head (own weights) before RoPE
+        if "q_norm" in attn._modules:  # Qwen3 normalizes q and k per head (own weights) before RoPE
             q, k = qk.split([heads, kv_heads], dim=2)
             qk = torch.cat([attn.q_norm(q), attn.k_norm(k)], dim=2)
         qk = qk.transpose(1, 2)
@@ -187,9 +187,9 @@ class Transformer(torch.nn.Module):
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
         layer_ids = range(self.n_layers) if layers is None else layers
-        captured = {}
+        captured, stack = {}, list(self.layers)  # a list indexes faster than the ModuleList, once per layer
         for slot, index in enumerate(layer_ids):
-            layer = self.layers[index]
+            layer = stack[index]
             if rows is not None:
                 live = x.index_select(0, rows)
                 live = live + self._attention(layer, slot, rms_norm(layer.input_layernorm, x), cos, sin, cache, plan,
