@@ -233,6 +233,18 @@ def test_the_k0_benchmark_reuses_the_shared_prefill_for_both_sides(tiny, monkeyp
     assert calls == [] and res["nonzero_k_steps"] == 0 and res["same_tokens"] is True and res["policy_s"] >= 0
 
 
+def test_every_compared_run_decodes_on_a_copy_of_the_shared_prefill(tiny):
+    # plain must not get the prefill's own cache while the methods get copies: alike on both sides
+    pre = speculative.prefill(tiny, _prompts()[:2], max_new_tokens=6)
+    pre.cache.truncate(pre.prompt_lengths.clone())
+    keys, lengths = pre.cache.keys.clone(), pre.cache.lengths.clone()
+    speculative_bench.run_methods(tiny, _prompts()[:2], [("ngram", NGramDrafter, 2)], max_new_tokens=6,
+                                  eos_token_ids=[], repeats=2, prefilled=pre)
+    speculative_bench.k0_overhead(tiny, _prompts()[:2], NGramDrafter, lambda b: RowBudgetPolicy(_never_pays),
+                                  max_new_tokens=6, repeats=2, eos_token_ids=[], prefilled=pre)
+    assert torch.equal(pre.cache.lengths, lengths) and torch.equal(pre.cache.keys, keys)
+
+
 def test_side_by_side_steps_every_live_run_in_turn_and_returns_each_result():
     trace = []
 

@@ -198,3 +198,19 @@ def test_no_measurement_of_a_held_out_cell_enters_any_prediction():
     np.testing.assert_allclose(again.predicted, val.predicted)  # held-out and fit cells alike
     assert again.heldout_error != val.heldout_error
     assert not np.allclose(again.predicted_insample, val.predicted_insample)  # the all-cells fit does read them
+
+
+@pytest.mark.parametrize("combine", ["max", "sum"])
+def test_step_time_short_path_equals_the_broadcast_formula(combine):
+    # a scalar batch and context take the policy's short path; it must be the same model as the array path
+    shape, hw = roofline.SHAPES["Llama-3-8B"], roofline.Hardware("x", peak=3e11, bandwidth=2e10, overhead=2e-3,
+                                                               combine=combine)
+    widths = np.arange(1, 10)
+    for batch, context in [(1, 0.0), (4, 203.25), (64, 4096.0)]:
+        short = roofline.step_time(shape, hw, batch, widths, context)
+        broadcast = roofline.step_time(shape, hw, np.full(9, batch), widths, np.full(9, context))
+        by_hand = np.array([max(shape.flops(batch, n, context) / hw.peak, shape.bytes(batch, n, context) / hw.bandwidth)
+                            if combine == "max" else shape.flops(batch, n, context) / hw.peak
+                            + shape.bytes(batch, n, context) / hw.bandwidth for n in widths]) + hw.overhead
+        np.testing.assert_allclose(short, broadcast, rtol=1e-12)
+        np.testing.assert_allclose(short, by_hand, rtol=1e-12)

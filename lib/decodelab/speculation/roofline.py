@@ -111,8 +111,9 @@ class ModelShape:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.bytes_per_param
 
     def flops(self, batch, n_tokens, context) -> np.ndarray:
+        # (2 P + 4 L H d s) b n: the matmuls and attention's QK^T and PV over s cached positions
         b, n, s = (np.asarray(x, dtype=float) for x in (batch, n_tokens, context))
-        return 2 * self.matmul_params * b * n + 4 * self.n_layers * self.n_heads * self.head_dim * s * b * n
+        return (2 * self.matmul_params + 4 * self.n_layers * self.n_heads * self.head_dim * s) * (b * n)
 
     def bytes(self, batch, n_tokens, context) -> np.ndarray:
         b, n, s = (np.asarray(x, dtype=float) for x in (batch, n_tokens, context))
@@ -150,9 +151,21 @@ def max_batch(shape: ModelShape, hw: Hardware, context: float, *, draft: ModelSh
 
 
 def step_time(shape: ModelShape, hw: Hardware, batch, n_tokens, context) -> np.ndarray:
-    """Predicted seconds of one forward of n_tokens per row for `batch` rows at `context` positions."""
-    compute = shape.flops(batch, n_tokens, context) / hw.peak
-    memory = shape.bytes(batch, n_tokens, context) / hw.bandwidth
+    """Predicted seconds of one forward of n_tokens per row for `batch` rows at `context` positions.
+
+    A scalar batch and context with n_tokens an array (a policy's per-step question: every width at this
+    step's context) take a short path of a few array operations: the policy asks it after every forward,
+    when the CPU's caches are cold and each numpy call costs several microseconds."""
+    if np.isscalar(batch) and np.isscalar(context):
+        b, s = float(batch), float(context)
+        n = np.asarray(n_tokens, dtype=float)
+        per_token_flops = (2 * shape.matmul_params + 4 * shape.n_layers * shape.n_heads * shape.head_dim * s) * b
+        kv = b * shape.kv_bytes_per_token
+        compute = n * (per_token_flops / hw.peak)
+        memory = n * (kv / hw.bandwidth) + (shape.weight_bytes + s * kv) / hw.bandwidth
+    else:
+        compute = shape.flops(batch, n_tokens, context) / hw.peak
+        memory = shape.bytes(batch, n_tokens, context) / hw.bandwidth
     core = np.maximum(compute, memory) if hw.combine == "max" else compute + memory
     return core + hw.overhead
 

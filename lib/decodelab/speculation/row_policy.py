@@ -85,6 +85,7 @@ class RowBudgetPolicy(AdaptivePolicy):
         self._borrowed: np.ndarray | None = None  # (k_max + 1,) the observed k whose ratio each k uses
         self._plain_now = False  # worth_asking found no width that can pay: this step is plain (see choose_rows)
         self._undecayed = 0  # plain steps whose decay of the row counts is not applied yet (see _settle)
+        self._active_seen: tuple = (None, None)  # (active tensor, its numpy copy): `_active_numpy`
 
     def model_seconds(self, context: float) -> np.ndarray:
         """T(B, n, context) for n = 1 .. k_max + 1 in one vectorized call (reused within the step)."""
@@ -198,7 +199,7 @@ class RowBudgetPolicy(AdaptivePolicy):
             self._plain_now = False
             self.history.append(0)
             return torch.zeros(len(active), dtype=torch.long)
-        act = active.cpu().numpy()
+        act = self._active_numpy(active)
         n_active = int(act.sum())
         best_rate = n_active / self.verify_seconds(0, context)
         plain_rate, best = best_rate, np.zeros(len(act), dtype=np.int64)
@@ -234,6 +235,13 @@ class RowBudgetPolicy(AdaptivePolicy):
             best = self.fill_to_width(best, act, None if caps is None else caps.cpu().numpy())
         self.history.append(int(best.max()))
         return torch.from_numpy(best)
+
+    def _active_numpy(self, active: torch.Tensor) -> np.ndarray:
+        """active (B,) bool tensor -> numpy; the loop passes one all-true tensor while every row is alive,
+        whose host array is kept (a conversion per step is a visible share of a decision)."""
+        if active is not self._active_seen[0]:
+            self._active_seen = (active, active.cpu().numpy())
+        return self._active_seen[1]
 
     def fill_to_width(self, row_k: np.ndarray, act: np.ndarray, caps: np.ndarray | None) -> np.ndarray:
         """(B,) row_k with every live row (active, acceptance >= min_gain) raised to the step's width - 1
