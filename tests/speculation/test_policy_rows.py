@@ -420,3 +420,47 @@ def test_sweep_rounds_per_batch_read_string_keys_and_name_a_key_that_is_not_a_ba
     assert speculative_bench.rounds_by_batch({}, [1, 4], 2) == {1: 2, 4: 2}
     with pytest.raises(ValueError, match=r"keys \[7, 'x'\] are not in batch_sizes; allowed: \[1, 4\]"):
         speculative_bench.rounds_by_batch({7: 2, "x": 1, 1: 3}, [1, 4], 2)
+
+
+class _CountingBound(RowBudgetPolicy):
+    def begin(self, batch_size):
+        super().begin(batch_size)
+        self.bounds = 0
+
+    def _could_pay(self, *args):
+        self.bounds += 1
+        return super()._could_pay(*args)
+
+
+def _plain_streak(policy, steps, *, finish_at=None, seconds=lambda i: 0.02 + 0.001 * (i % 5)):
+    """Drive a 2-row policy through plain steps (row 1 finishes at step finish_at) -> the k chosen per step."""
+    policy.begin(2)
+    chosen = []
+    for i in range(steps):
+        active = torch.tensor([True, finish_at is None or i < finish_at])
+        chosen.append(policy.choose_rows(active, context=100.0 + i).tolist())
+        policy.update_plain(step_s=seconds(i), context=100.0 + i)
+    return chosen
+
+
+def test_a_plain_decision_holds_for_hold_steps_and_learns_every_held_step_time():
+    # drafting never pays here (step time grows with the cube of the width): every step is plain by the bound
+    held, every = _CountingBound(_never_pays, hold_steps=4), _CountingBound(_never_pays, hold_steps=1)
+    assert _plain_streak(held, 10) == _plain_streak(every, 10) == [[0, 0]] * 10
+    assert every.bounds == 10 and held.bounds == 3  # steps 0, 4, 8 decided; the others kept the decision
+    held._decide_afresh()  # the two steps held since the last decision are learned now
+    assert held.time_ratio[0] == pytest.approx(every.time_ratio[0], rel=1e-12)
+
+
+def test_a_finished_row_ends_the_hold_and_proposal_kinds_never_hold():
+    policy = _CountingBound(_never_pays, hold_steps=4)
+    _plain_streak(policy, 6, finish_at=2)
+    assert policy.bounds == 2  # step 0 decided, step 1 held, step 2 (a row finished) decided, 3-5 held
+    policy.begin(2)
+    active, kinds = torch.ones(2, dtype=torch.bool), torch.tensor([1, 1])
+    for _ in range(3):
+        policy.choose_rows(active, context=10.0, kinds=kinds)
+        policy.update_plain(step_s=0.02, context=10.0)
+    assert policy.bounds == 3  # with proposal kinds every step decides
+    with pytest.raises(ValueError, match="hold_steps"):
+        RowBudgetPolicy(_never_pays, hold_steps=0)

@@ -38,6 +38,8 @@ from decodelab.speculation.policy import K_CHOICES, AdaptivePolicy
 
 PRIOR_ACCEPTANCE = 0.5  # a drafter's per-token acceptance before any evidence
 KINDS = 8  # proposal kinds a policy tells apart (DraftProposal.kinds in 0 .. KINDS - 1)
+CONTEXT_BLOCK = 64  # contexts the step-time model is tabulated for per call (`model_seconds`)
+PLAIN_HOLD_STEPS = 8  # steps a plain decision made by the bound is kept (`RowBudgetPolicy`, hold_steps)
 
 
 class RowBudgetPolicy(AdaptivePolicy):
@@ -48,12 +50,24 @@ class RowBudgetPolicy(AdaptivePolicy):
     a_b^j is below it is not verified (it would only spend budget). The pooled acceptance (all rows) is
     the prior of every row's estimate; a row's own evidence decays by `decay` per step, so a row that
     stopped drafting returns to the pooled estimate instead of being frozen at its last bad stretch.
+
+    hold_steps: a step found plain by the bound (no width pays even at the best acceptance any row could
+    reach: `worth_asking`, `_could_pay`) keeps that decision for this many steps while no row finishes,
+    without deciding again (1 = decide every step). A decision runs after a forward, when the CPU's caches
+    are cold, and cost ~0.35 ms here (~1% of a batch-1 step) though a plain streak changes its inputs only
+    slowly (the context by one position, the plain step time's running correction, decay of old evidence);
+    the held steps' times are learned, in order, at the next decision. Speculation resumes at most
+    hold_steps - 1 steps late.
     """
 
     def __init__(self, step_time, *, ks=K_CHOICES, verify_budget: int | None = None, min_gain: float = 0.05,
                  draft_s_per_token: float = 0.0, decay: float = 0.9, prior_strength: float = 2.0,
-                 margin: float = 0.05, time_ema: float = 0.25, free_evidence: bool = True):
+                 margin: float = 0.05, time_ema: float = 0.25, free_evidence: bool = True,
+                 hold_steps: int = PLAIN_HOLD_STEPS):
         self.free_evidence = free_evidence  # learn from unverified first drafts (see the module docstring)
+        if isinstance(hold_steps, bool) or not isinstance(hold_steps, int) or hold_steps < 1:
+            raise ValueError(f"hold_steps={hold_steps!r} must be an int >= 1 (1: decide every step)")
+        self.hold_steps = hold_steps
         if verify_budget is not None and (isinstance(verify_budget, bool) or not isinstance(verify_budget, int)
                                           or verify_budget < 1):
             raise ValueError(f"verify_budget={verify_budget!r} must be None (no limit) or an int >= the batch size")
@@ -80,23 +94,41 @@ class RowBudgetPolicy(AdaptivePolicy):
         self._kinds = np.zeros(batch_size, dtype=np.int64)  # each row's proposal kind in the step being decided
         self._j = np.arange(1, max(max(self.ks), 1) + 1, dtype=float)
         self._widths = np.arange(1, max(max(self.ks), 1) + 2)
-        self._seconds_at: tuple[tuple[float, int], np.ndarray] | None = None  # (context, batch) -> T
+        self._seconds_at: tuple[tuple[float, int], np.ndarray] | None = None  # (first context, batch), T table
         self._ratio_vector: np.ndarray | None = None
         self._borrowed: np.ndarray | None = None  # (k_max + 1,) the observed k whose ratio each k uses
         self._plain_now = False  # worth_asking found no width that can pay: this step is plain (see choose_rows)
         self._undecayed = 0  # plain steps whose decay of the row counts is not applied yet (see _settle)
-        self._active_seen: tuple = (None, None)  # (active tensor, its numpy copy): `_active_numpy`
+        self._active_seen: tuple = (None, None, 0)  # (active tensor, its numpy copy, count): `_active_numpy`
+        self._hold, self._hold_rows = 0, -1  # steps the last plain decision still holds, for this many rows
+        self._held_times: list[tuple[float, float]] = []  # (seconds, context) of held plain steps, not learned yet
 
     def model_seconds(self, context: float) -> np.ndarray:
-        """T(B, n, context) for n = 1 .. k_max + 1 in one vectorized call (reused within the step)."""
-        if self._seconds_at is None or self._seconds_at[0] != (context, self.batch_size):
-            try:  # a roofline takes the widths as one array
-                seconds = np.broadcast_to(np.asarray(self.step_time(self.batch_size, self._widths, context),
-                                                     dtype=float), self._widths.shape)
+        """T(B, n, context) for n = 1 .. k_max + 1.
+
+        The model is tabulated for CONTEXT_BLOCK contexts at once (context, context + 1, ...: a plain step
+        moves the mean context by one position) in one vectorized call, and a later context that lands on
+        the table is read from it: the policy asks after every forward, when the CPU's caches are cold and
+        each step-time call costs tens of microseconds. A model that does not broadcast over contexts is
+        asked once per context (per width, if it takes scalars only)."""
+        at = self._seconds_at
+        if at is not None and at[0][1] == self.batch_size:
+            offset = context - at[0][0]
+            row = int(round(offset))
+            if 0 <= row < len(at[1]) and abs(offset - row) < 1e-9:
+                return at[1][row]
+        contexts = context + np.arange(CONTEXT_BLOCK, dtype=float)
+        try:  # a roofline broadcasts over widths and contexts: one call for the whole table
+            table = np.asarray(self.step_time(self.batch_size, self._widths[None, :], contexts[:, None]), dtype=float)
+            table = np.broadcast_to(table, (CONTEXT_BLOCK, len(self._widths)))
+        except (TypeError, ValueError):
+            try:  # a model of one context at a time (it may still take the widths as one array)
+                table = np.broadcast_to(np.asarray(self.step_time(self.batch_size, self._widths, context), dtype=float),
+                                        self._widths.shape)[None]
             except (TypeError, ValueError):  # a model of scalars only: one call per width
-                seconds = np.array([float(self.step_time(self.batch_size, int(n), context)) for n in self._widths])
-            self._seconds_at = ((context, self.batch_size), seconds)
-        return self._seconds_at[1]
+                table = np.array([[float(self.step_time(self.batch_size, int(n), context)) for n in self._widths]])
+        self._seconds_at = ((context, self.batch_size), table)
+        return table[0]
 
     def model_seconds_for(self, k: int, context: float) -> float:
         if k < len(self._widths):
@@ -170,16 +202,36 @@ class RowBudgetPolicy(AdaptivePolicy):
         seconds = self._ratios()[1:] * self.model_seconds(context)[1:] + k * self.draft_seconds(context)
         return float((tokens / seconds).max())
 
+    def _holding(self, n_active: int) -> bool:
+        """Whether this step keeps the last plain decision (see hold_steps); a finished row ends the hold."""
+        if self._hold > 0 and n_active == self._hold_rows:
+            self._hold -= 1
+            return True
+        self._hold = 0
+        return False
+
+    def _decide_afresh(self) -> None:
+        """Before a decision: learn the held steps' times, in the order they ran."""
+        held, self._held_times, self._hold = self._held_times, [], 0
+        for seconds, context in held:
+            self.learn_time(0, seconds, context)
+
     def worth_asking(self, n_active: int, *, context: float) -> bool:
         """Could any width beat plain decoding if every draft were accepted? If not, no draft can change
         this step's decision and a drafter need not be asked (nor its drafts scored as evidence)."""
         if n_active == 0:
             return False
+        if self._holding(n_active):
+            self._plain_now = True
+            return False
+        self._decide_afresh()
         plain_rate = n_active / (self._ratios()[0] * self.model_seconds(context)[0])
         worth = self._best_rate(n_active, 1.0, context) > (1 + self.margin) * plain_rate
         # no draft can pay even if all were accepted, so no row acceptance (<= 1) can: choose_rows will pick
         # k = 0 for every row; it may skip its own bound until the step's update
         self._plain_now = not worth
+        if not worth:
+            self._hold, self._hold_rows = self.hold_steps - 1, n_active
         return worth
 
     def _could_pay(self, act: np.ndarray, n_active: int, plain_rate: float, context: float) -> bool:
@@ -194,16 +246,20 @@ class RowBudgetPolicy(AdaptivePolicy):
                     kinds: torch.Tensor | None = None) -> torch.Tensor:
         """active (B,) bool, caps (B,) long or None (real drafts available per row), kinds (B,) long or None
         (each row's proposal kind, `set_kinds`) -> k_b (B,) long (CPU)."""
-        self.set_kinds(kinds)
-        if self._plain_now:  # worth_asking, this step: no width pays at any acceptance
+        unmarked = caps is None and kinds is None  # the bound read no per-step proposal: a decision that can hold
+        if self._plain_now or (self._hold and unmarked and self._holding(self._active_numpy(active)[1])):
+            # plain by worth_asking this step (no width pays at any acceptance), or a held plain decision
             self._plain_now = False
             self.history.append(0)
             return torch.zeros(len(active), dtype=torch.long)
-        act = self._active_numpy(active)
-        n_active = int(act.sum())
+        self.set_kinds(kinds)
+        self._decide_afresh()
+        act, n_active = self._active_numpy(active)
         best_rate = n_active / self.verify_seconds(0, context)
         plain_rate, best = best_rate, np.zeros(len(act), dtype=np.int64)
         if not self._could_pay(act, n_active, plain_rate, context):  # the common case at a compute-bound batch
+            if unmarked:
+                self._hold, self._hold_rows = self.hold_steps - 1, n_active
             self.history.append(0)
             return torch.from_numpy(best)
         gains = self.row_gains(act, None if caps is None else caps.cpu().numpy())
@@ -236,12 +292,13 @@ class RowBudgetPolicy(AdaptivePolicy):
         self.history.append(int(best.max()))
         return torch.from_numpy(best)
 
-    def _active_numpy(self, active: torch.Tensor) -> np.ndarray:
-        """active (B,) bool tensor -> numpy; the loop passes one all-true tensor while every row is alive,
-        whose host array is kept (a conversion per step is a visible share of a decision)."""
+    def _active_numpy(self, active: torch.Tensor) -> tuple[np.ndarray, int]:
+        """active (B,) bool tensor -> (its numpy array, its count); the loop passes one all-true tensor while
+        every row is alive, whose conversion is kept (one per step is a visible share of a decision)."""
         if active is not self._active_seen[0]:
-            self._active_seen = (active, active.cpu().numpy())
-        return self._active_seen[1]
+            host = active.cpu().numpy()
+            self._active_seen = (active, host, int(host.sum()))
+        return self._active_seen[1:]
 
     def fill_to_width(self, row_k: np.ndarray, act: np.ndarray, caps: np.ndarray | None) -> np.ndarray:
         """(B,) row_k with every live row (active, acceptance >= min_gain) raised to the step's width - 1
@@ -265,7 +322,10 @@ class RowBudgetPolicy(AdaptivePolicy):
         the same state change without building per-row arrays, so a run of plain steps stays cheap."""
         self._plain_now = False
         if context is not None:
-            self.learn_time(0, step_s, context)
+            if self._hold or self._held_times:  # a held streak: learned at the next decision, in order
+                self._held_times.append((step_s, context))
+            else:
+                self.learn_time(0, step_s, context)
         self._undecayed += 1
 
     def update_rows(self, row_k: torch.Tensor, n_accepted: torch.Tensor, active: torch.Tensor, *, step_s: float,
@@ -275,6 +335,7 @@ class RowBudgetPolicy(AdaptivePolicy):
         free: None or (scored (B,) bool, hit (B,) bool): rows whose first real draft was not verified this
         step and whether it equals the token the step emitted (free first-position evidence, see above)."""
         self._plain_now = False
+        self._decide_afresh()
         self._settle()
         ks = row_k.cpu().numpy()
         width = int(ks.max())
