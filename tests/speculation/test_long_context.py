@@ -7,8 +7,8 @@ import torch
 
 from decodelab.core import engine
 from decodelab.speculation import decode as speculative
+from decodelab.speculation import heldout, roofline
 from decodelab.speculation import long_context as lc
-from decodelab.speculation import roofline
 from decodelab.workloads.long_context import LongContextWorkload
 
 
@@ -40,7 +40,7 @@ def test_sweep_rows_are_exact_and_carry_a_ci(standin):
     # the rows carry what the roofline's held-out check reads (one cell per drafter held out here)
     shape = roofline.ModelShape.from_config(standin.hf_model.config, bytes_per_param=4)
     hw = roofline.Hardware("test", peak=1e10, bandwidth=1e10, overhead=1e-4)
-    check = roofline.validate(rows, shape, hw, seed=0)
+    check = heldout.validate(rows, shape, hw, seed=0)
     assert check.n_heldout == 2 and check.insample_error is not None and check.heldout_error is not None
     read = lc.predict_long_rows(rows, shape, hw, sink=2, window=8)
     assert all(r["verify_ratio"] >= 1.0 and 0 < r["alpha"] < 1 or r["tau"] == 1.0 for r in read)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from decodelab.speculation import roofline
+from decodelab.speculation import heldout, roofline
 from decodelab.speculation.roofline import SHAPES, Hardware, ModelShape
 
 
@@ -100,11 +100,11 @@ def test_two_calibration_points_narrow_the_fit_to_peak_and_overhead():
 
 def test_split_cells_holds_out_a_seeded_share_of_each_group():
     groups = ["a"] * 5 + ["b"] * 4 + ["c"]
-    held = roofline.split_cells(groups, seed=3)
-    assert held.tolist() == roofline.split_cells(groups, seed=3).tolist()  # reproducible
+    held = heldout.split_cells(groups, seed=3)
+    assert held.tolist() == heldout.split_cells(groups, seed=3).tolist()  # reproducible
     by = {g: [h for x, h in zip(groups, held) if x == g] for g in "abc"}
     assert (sum(by["a"]), sum(by["b"]), sum(by["c"])) == (2, 2, 0)  # floor(n / 2); a lone cell only fits
-    assert any(roofline.split_cells(groups, seed=s).tolist() != held.tolist() for s in range(4, 10))
+    assert any(heldout.split_cells(groups, seed=s).tolist() != held.tolist() for s in range(4, 10))
 
 
 def _cells(alpha=0.6, draft_s=1e-3):
@@ -121,10 +121,10 @@ def _cells(alpha=0.6, draft_s=1e-3):
 
 def test_a_held_out_cells_own_measurements_never_enter_its_prediction():
     rows, shape, hw = _cells()
-    val = roofline.validate(rows, shape, hw, seed=0)
+    val = heldout.validate(rows, shape, hw, seed=0)
     assert val.n_heldout == 4 and val.n_fit == 5
     tampered = [dict(r, tau=9.0, draft_s_per_token=5.0, speedup=0.01) if h else r for r, h in zip(rows, val.held_out)]
-    again = roofline.validate(tampered, shape, hw, seed=0)
+    again = heldout.validate(tampered, shape, hw, seed=0)
     assert again.held_out == val.held_out
     np.testing.assert_allclose(again.predicted, val.predicted)  # the fit saw none of the held-out numbers
     assert again.heldout_error > 0.5 and again.insample_error != val.insample_error
@@ -132,9 +132,9 @@ def test_a_held_out_cells_own_measurements_never_enter_its_prediction():
 
 def test_cells_the_model_made_are_predicted_exactly_held_out_and_in_sample():
     rows, shape, hw = _cells()
-    val = roofline.validate(rows, shape, hw, seed=1)
+    val = heldout.validate(rows, shape, hw, seed=1)
     assert val.heldout_error == pytest.approx(0.0, abs=1e-3) and val.insample_error == pytest.approx(0.0, abs=1e-3)
-    alone = roofline.validate(rows[:1], shape, hw, seed=1)  # one cell: nothing to hold out
+    alone = heldout.validate(rows[:1], shape, hw, seed=1)  # one cell: nothing to hold out
     assert alone.n_heldout == 0 and alone.heldout_error is None
 
 
@@ -144,14 +144,14 @@ CALIBRATION = [{"batch": b, "n_tokens": n, "context": 100, "seconds": s * b}
 
 def test_calibrated_seconds_interpolate_the_measured_steps():
     shape, hw = SHAPES["Qwen2.5-0.5B"], Hardware("hw", peak=5e11, bandwidth=2e10, overhead=2e-3, combine="sum")
-    assert roofline.calibrated_seconds(CALIBRATION, shape, hw, 1, 2, 100) == pytest.approx(0.02)
+    assert heldout.calibrated_seconds(CALIBRATION, shape, hw, 1, 2, 100) == pytest.approx(0.02)
     half = [c for c in CALIBRATION if c["n_tokens"] != 2]
-    assert roofline.calibrated_seconds(half, shape, hw, 4, 2, 100) == pytest.approx(0.08)  # linear in n
+    assert heldout.calibrated_seconds(half, shape, hw, 4, 2, 100) == pytest.approx(0.08)  # linear in n
     shift = roofline.step_time(shape, hw, 1, 3, 400) / roofline.step_time(shape, hw, 1, 3, 100)
-    assert roofline.calibrated_seconds(CALIBRATION, shape, hw, 1, 3, 400) == pytest.approx(0.03 * shift)
-    assert roofline.calibrated_seconds(CALIBRATION, shape, hw, 1, 5, 100) is None  # beyond the calibrated n
-    assert roofline.calibrated_seconds(CALIBRATION, shape, hw, 16, 2, 100) is None  # batch not calibrated
-    assert roofline.calibrated_seconds(None, shape, hw, 1, 2, 100) is None
+    assert heldout.calibrated_seconds(CALIBRATION, shape, hw, 1, 3, 400) == pytest.approx(0.03 * shift)
+    assert heldout.calibrated_seconds(CALIBRATION, shape, hw, 1, 5, 100) is None  # beyond the calibrated n
+    assert heldout.calibrated_seconds(CALIBRATION, shape, hw, 16, 2, 100) is None  # batch not calibrated
+    assert heldout.calibrated_seconds(None, shape, hw, 1, 2, 100) is None
 
 
 def _fit_cell(**kw):
@@ -165,12 +165,12 @@ def _fit_cell(**kw):
 def test_prediction_from_fit_cells_matches_the_hand_computed_value():
     shape, hw = SHAPES["Qwen2.5-0.5B"], Hardware("hw", peak=5e11, bandwidth=2e10, overhead=2e-3, combine="sum")
     target = {"batch": 1, "drafter": "ngram", "k": 2, "context": 100}
-    (pred,) = roofline.predict_from([_fit_cell()], [target], shape, hw, calibration=CALIBRATION)
+    (pred,) = heldout.predict_from([_fit_cell()], [target], shape, hw, calibration=CALIBRATION)
     # c = (0.5, tail 0.5) -> X in {1, 2, 3} w.p. (1/2, 1/4, 1/4): 2.625 steps for N = 4 tokens;
     # S = g T(1, 1) / (steps / N (f T(1, 3) + 2 r T(1, 1))) = 1.2 x 0.01 / (0.65625 x (0.03 + 0.002)) = 4 / 7
     assert pred == pytest.approx(4 / 7, rel=1e-4)
     # the same cell without calibration steps reads T off the roofline
-    (bare,) = roofline.predict_from([_fit_cell()], [target], shape, hw)
+    (bare,) = heldout.predict_from([_fit_cell()], [target], shape, hw)
     t1, t3 = (float(roofline.step_time(shape, hw, 1, n, 100)) for n in (1, 3))
     f, g = 0.02 / float(roofline.step_time(shape, hw, 1, 2, 100)), 0.012 / t1
     assert bare == pytest.approx(g * t1 / (0.65625 * (f * t3 + 2 * 0.001)), rel=1e-4)  # r T(1, 1) = 0.001 again
@@ -179,7 +179,7 @@ def test_prediction_from_fit_cells_matches_the_hand_computed_value():
 def test_a_batch_is_predicted_to_wait_for_its_slowest_row():
     shape, hw = SHAPES["Qwen2.5-0.5B"], Hardware("hw", peak=5e11, bandwidth=2e10, overhead=2e-3, combine="sum")
     fit = [_fit_cell(), _fit_cell(batch=4, new_tokens=20, verify_s=0.8, decode_s=1.0)]
-    one, four = roofline.predict_from(fit, [{"batch": b, "drafter": "ngram", "k": 2, "context": 100} for b in (1, 4)],
+    one, four = heldout.predict_from(fit, [{"batch": b, "drafter": "ngram", "k": 2, "context": 100} for b in (1, 4)],
                                       shape, hw, calibration=CALIBRATION)
     assert four < one  # same step-time ratios per batch; only the max over rows of the steps differs
 
@@ -190,10 +190,10 @@ def test_no_measurement_of_a_held_out_cell_enters_any_prediction():
             for r in rows]
     cal = [{"batch": b, "n_tokens": n, "context": 200, "seconds": float(roofline.step_time(shape, hw, b, n, 200))}
            for b in (1, 4, 16) for n in (1, 2, 3, 5)]
-    val = roofline.validate(rich, shape, hw, seed=0, calibration=cal)
+    val = heldout.validate(rich, shape, hw, seed=0, calibration=cal)
     tampered = [dict(r, tau=9.0, acceptance=[0.01] * r["k"], steps=3, verify_s=5.0, decode_s=7.0, speedup=0.01,
                      draft_s_per_token=5.0, new_tokens=50 * r["batch"]) if h else r for r, h in zip(rich, val.held_out)]
-    again = roofline.validate(tampered, shape, hw, seed=0, calibration=cal)
+    again = heldout.validate(tampered, shape, hw, seed=0, calibration=cal)
     assert again.held_out == val.held_out and val.n_heldout == 4
     np.testing.assert_allclose(again.predicted, val.predicted)  # held-out and fit cells alike
     assert again.heldout_error != val.heldout_error

@@ -104,7 +104,7 @@ def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_to
                        max_batch: dict | None = None, progress: bool = False) -> list[dict]:
     """-> one row per (context, batch, drafter): {context, batch, drafter, k, speedup, speedup_low,
     speedup_high, ratios, plain_s, spec_s (min over repeats), tau, draft_s, verify_s, steps, draft_s_per_token,
-    matches_plain} (the fields `roofline.validate` reads, so the roofline can be judged on held-out cells).
+    matches_plain} (the fields `heldout.validate` reads, so the roofline can be judged on held-out cells).
     max_batch: {drafter: the largest batch it runs at} (CPU time); absent drafters run at every batch."""
     check_grid(contexts, batches, drafters, k, max_batch)
     max_batch = max_batch or {}
