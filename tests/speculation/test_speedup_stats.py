@@ -97,3 +97,24 @@ def test_pooled_intervals_are_tight_where_the_noise_is_small_and_need_two_rounds
     assert pooled_speedup_intervals(_rounds([1.0]), [_rounds([0.5])]) == [(None, None)]
     with pytest.raises(ValueError, match="one plain run per method run"):
         pooled_speedup_intervals(_rounds([1.0, 1.0]), [_rounds([1.0])])
+
+
+def test_short_runs_are_pooled_apart_so_their_noise_does_not_widen_full_length_runs():
+    # full-length runs (8 steps like plain) with 0.5% noise beside short runs (2 steps) with 4% noise: each
+    # stratum's intervals keep ~95% coverage, and the quiet ones stay about as narrow as they would alone
+    rng = np.random.default_rng(11)
+    quiet_gains, loud_gains, trials, n = (1.0, 0.99), (1.5, 2.0), 400, 4
+    covered, widths = np.zeros(4), []
+    for _ in range(trials):
+        drift = rng.uniform(1.0, 1.3, n)
+        plain = _rounds(2.0 * drift * np.exp(rng.normal(0, 0.005, n)))
+        quiet = [_rounds(2.0 / g * drift * np.exp(rng.normal(0, 0.005, n))) for g in quiet_gains]
+        loud = [_rounds(2.0 / g * drift * np.exp(rng.normal(0, 0.04, n)), steps=2) for g in loud_gains]
+        intervals = pooled_speedup_intervals(plain, quiet + loud)
+        for i, ((low, high), g) in enumerate(zip(intervals, quiet_gains + loud_gains)):
+            covered[i] += low <= g <= high
+        widths.append(math.log(intervals[0][1] / intervals[0][0]))
+        alone = pooled_speedup_intervals(plain, quiet)
+        assert np.allclose(intervals[:2], alone, rtol=1e-12)  # the loud runs change nothing for the quiet stratum
+    assert np.all(covered / trials > 0.92)
+    assert np.median(widths) < 0.03  # one scale pooled over both strata would give ~0.07 here

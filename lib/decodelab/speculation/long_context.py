@@ -6,7 +6,7 @@ Speedup = plain decode seconds / speculative decode seconds for the same rows an
 (greedy, no early EOS: both emit exactly max_new_tokens per row, and the test `matches_plain` checks they emit
 the same ones). Methods are interleaved within a repeat (plain, A, B, plain, A, B, ...) and each repeat is one
 round of paired runs; the CI is `speedup_stats.pooled_speedup_intervals` over the rounds (a t interval on paired
-log ratios, the round noise pooled over the drafters of a cell; none with one round).
+log ratios, the round noise pooled over the drafters of a cell whose runs are of like length; none with one round).
 """
 from __future__ import annotations
 

@@ -94,7 +94,8 @@ def never_loses_goals(rows: list[dict], *, drafters, goal) -> list:
                         note=("the adaptive policy did not run" if not cells
                               else "no interval: the sweep needs >= 2 timing rounds (sweep_repeats)" if worst is None
                               else f"worst batch {worst['batch']} of {[r['batch'] for r in cells]}; paired by "
-                                   f"{worst['repeats']} interleaved rounds, noise pooled over the batch's runs")))
+                                   f"{worst['repeats']} interleaved rounds, noise pooled over the batch's runs of "
+                                   "like length")))
         fractions = [(r["speedup"] / b, r["batch"]) for r in cells
                      if (b := best_speedup(rows, d, r["batch"])) is not None and b > 0]
         low = min(fractions) if fractions else None
