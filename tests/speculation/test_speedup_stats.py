@@ -118,3 +118,24 @@ def test_short_runs_are_pooled_apart_so_their_noise_does_not_widen_full_length_r
         assert np.allclose(intervals[:2], alone, rtol=1e-12)  # the loud runs change nothing for the quiet stratum
     assert np.all(covered / trials > 0.92)
     assert np.median(widths) < 0.03  # one scale pooled over both strata would give ~0.07 here
+
+
+def test_plain_twin_joins_the_reference_keeping_coverage_with_a_narrower_interval():
+    # plain decoded twice per round: their mean is the reference, so a method's paired noise is s^2 (1 + 1/2)
+    # instead of 2 s^2: coverage stays ~95% and the interval narrows by about sqrt(3/4)
+    rng = np.random.default_rng(12)
+    gains, trials, n = (1.0, 0.98, 1.2), 1500, 4
+    covered, ratios = np.zeros(len(gains)), []
+    for _ in range(trials):
+        drift = rng.uniform(1.0, 1.3, n)
+        run = lambda g: _rounds(2.0 / g * drift * np.exp(rng.normal(0, 0.01, n)))  # noqa: E731
+        plain, twin, methods = run(1.0), run(1.0), [run(g) for g in gains]
+        with_twin = pooled_speedup_intervals(plain, methods, plain_twins=[twin])
+        alone = pooled_speedup_intervals(plain, [twin] + methods)[1:]  # the twin as one more method
+        for i, ((low, high), g) in enumerate(zip(with_twin, gains)):
+            covered[i] += low <= g <= high
+        ratios.append(math.log(with_twin[0][1] / with_twin[0][0]) / math.log(alone[0][1] / alone[0][0]))
+    assert np.all(np.abs(covered / trials - 0.95) < 0.02)
+    assert np.median(ratios) == pytest.approx(math.sqrt(3 / 4), abs=0.05)
+    with pytest.raises(ValueError, match="per method and twin"):
+        pooled_speedup_intervals(_rounds([1.0, 1.0]), [_rounds([1.0, 1.0])], plain_twins=[_rounds([1.0])])

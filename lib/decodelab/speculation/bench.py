@@ -4,7 +4,7 @@ and transformers side by side (notebook 01's goal rows and generated sentences: 
 
 Timing on a shared machine is noisy (other processes steal whole time slices), and noise only ever
 adds time. So every measurement here repeats and keeps the *minimum*, and runs being compared are
-interleaved (step by step within a round, runs rotated between rounds) so drift hits every method alike.
+interleaved (step by step within a round, in a fresh seeded order each round) so drift hits every method alike.
 """
 from __future__ import annotations
 
@@ -97,7 +97,8 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
     methods: (drafter_name, make_drafter() -> Drafter, k: int or make_policy(batch) -> AdaptivePolicy); the
     runs of a round are alive at once, so make_drafter must return a drafter no other method uses.
     Step interleaving: in a round every run advances one step in turn (plain, method 1, method 2, ... and,
-    with aa_check, plain a second time; the order rotated by one per round), each timed by its own clock
+    with aa_check, plain a second time; in a seeded random order drawn afresh each round, so no run always
+    steps first or always after the same neighbour), each timed by its own clock
     (the sum of its step seconds). On a shared machine whole runs drift by 5-10% against each other from one
     run to the next (frequency, neighbours); side by side, that drift lands on every method's steps alike and
     cancels in their ratios, where back-to-back runs of several seconds each kept it. A run that ends first
@@ -106,7 +107,9 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
     fastest round's. The interval (`speedup_stats.pooled_speedup_intervals`) pairs a method's run with plain's
     run of the same round, its noise scale pooled over the batch's runs; it needs repeats >= 2 (else None).
     aa_check: plain's second run per round gives plain's own row the interval of plain vs itself (an A/A
-    check: it should cover 1 and be narrow; its width is the noise floor of every other interval).
+    check: it should cover 1 and be narrow; its width is the noise floor), and joins plain's first run as
+    each round's reference for the methods' intervals (both are plain: their mean is a better reference
+    than either; a method's interval is then sqrt(3/4) of the A/A's width at the same noise).
     -> one row per method (+ "plain" first) with SpecStats fields of that round, `speedup`, `speedup_low`,
     `speedup_high`, `round_speedups` (the paired per-round ratios), `repeats`, and `tokens` (new tokens
     per row, to check greedy equality; identical across rounds when greedy).
@@ -130,7 +133,8 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
     best: list = [None] * len(runs)
     rounds: list[list[tuple]] = [[] for _ in runs]  # per run: (step_tokens, step_s) of every round
     for rnd in range(repeats):
-        order = [(rnd + j) % len(runs) for j in range(len(runs))]  # rotated: no run always steps first
+        # a fixed cyclic order (even rotated) keeps each run's neighbour, whose cache footprint its steps meet
+        order = torch.randperm(len(runs), generator=torch.Generator().manual_seed(seed * 7919 + rnd)).tolist()
         drafters = {i: runs[i][1]() for i in order}
         shared = [i for i in order if drafters[i] is not None
                   and any(drafters[j] is drafters[i] for j in order if j != i)]
@@ -144,11 +148,13 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
                 best[i] = res
     plain_tps = best[0].stats.decode_tokens_per_s
     plain_rates = round_rates(rounds[0])
-    # plain's own row pairs plain with its A/A twin; the noise scale is pooled over every pair of the batch
-    paired_rounds = [rounds[-1] if aa_check else rounds[0]] + rounds[1:len(runs) - int(aa_check)]
-    intervals = pooled_speedup_intervals(rounds[0], paired_rounds if aa_check else paired_rounds[1:])
-    if not aa_check:  # plain against itself is exactly 1: no interval of its own
-        intervals = [(None, None)] + intervals
+    methods_rounds = rounds[1:len(runs) - int(aa_check)]
+    twins = [rounds[-1]] if aa_check else []
+    intervals = pooled_speedup_intervals(rounds[0], methods_rounds, plain_twins=twins)
+    # plain's own row: plain against its A/A twin, two single runs (without the twin plain vs itself is 1)
+    aa = pooled_speedup_intervals(rounds[0], twins + methods_rounds)[0] if aa_check else (None, None)
+    intervals = [aa] + intervals
+    paired_rounds = [rounds[-1] if aa_check else rounds[0]] + methods_rounds
     out = []
     listed = runs[:-1] if aa_check else runs
     for (name, _, k), res, paired, (low, high) in zip(listed, best, paired_rounds, intervals):

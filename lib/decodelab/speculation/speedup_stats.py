@@ -34,6 +34,12 @@ log ratio was 0.2-1.4% for runs as long as plain's (its A/A twin, the adaptive p
 model at k = 1) and 1-4% for runs of 8-19 steps. One scale pooled over both widened the first group's
 intervals (and narrowed the second's). So the noise is pooled within two strata: runs of at least
 FULL_LENGTH of plain's steps, and the shorter ones, each with the additive model over plain and its members.
+
+Plain measured twice per round. A sweep with an A/A check decodes plain twice in every round (its twin).
+Both are runs of the same method, so the reference of round r is their mean log rate: the method's paired
+difference then carries the noise of one run plus half of one, s^2 (1 + 1/P) per round with P plain runs,
+instead of 2 s^2 (half-width x sqrt(3/4) at P = 2). The twin still gives plain's own A/A interval (plain
+vs twin, both single runs), and it enters each stratum's table as one more full-length row.
 """
 from __future__ import annotations
 
@@ -87,33 +93,37 @@ def _mean_steps(rounds: list[tuple[list, list]]) -> float:
 
 
 def pooled_speedup_intervals(plain_rounds: list[tuple[list, list]], methods_rounds: list[list[tuple[list, list]]],
-                             *, level: float = 0.95) -> list[tuple[float | None, float | None]]:
+                             *, plain_twins: list[list[tuple[list, list]]] = (),
+                             level: float = 0.95) -> list[tuple[float | None, float | None]]:
     """(low, high) per method of its decode rate over plain's, paired by round, with the round-to-round
     noise pooled over the methods of its length stratum (see the module docstring); (None, None) each with
     one round.
 
     plain_rounds: plain's (step_tokens, step_seconds) per round; methods_rounds: one such list per method,
-    every list as long as plain's."""
+    every list as long as plain's; plain_twins: further plain runs of the same rounds (the A/A twin), which
+    join plain in each round's reference (module docstring: P = 1 + len(plain_twins))."""
     n = len(plain_rounds)
     if not 0 < level < 1:
         raise ValueError(f"level={level!r} must be in (0, 1)")
-    if n == 0 or any(len(m) != n for m in methods_rounds):
+    if n == 0 or any(len(m) != n for m in [*methods_rounds, *plain_twins]):
         raise ValueError(f"need one plain run per method run, at least one (got {n} plain rounds and "
-                         f"{[len(m) for m in methods_rounds]} per method)")
+                         f"{[len(m) for m in [*methods_rounds, *plain_twins]]} per method and twin)")
     if n < 2 or not methods_rounds:
         return [(None, None)] * len(methods_rounds)
-    logs = np.log(np.stack([round_rates(plain_rounds)] + [round_rates(m) for m in methods_rounds]))  # (M + 1, n)
+    n_plain = 1 + len(plain_twins)
+    logs = np.log(np.stack([round_rates(r) for r in [plain_rounds, *plain_twins, *methods_rounds]]))  # (P + M, n)
+    reference = logs[:n_plain].mean(0)  # (n,) each round's plain log rate, averaged over its plain runs
     full = np.array([_mean_steps(m) for m in methods_rounds]) >= FULL_LENGTH * _mean_steps(plain_rounds)
     out: list[tuple[float, float]] = [None] * len(methods_rounds)
     for stratum in (np.flatnonzero(full), np.flatnonzero(~full)):
         if not len(stratum):
             continue
-        sub = logs[np.r_[0, stratum + 1]]  # plain and this stratum's methods
+        sub = logs[np.r_[np.arange(n_plain), stratum + n_plain]]  # plain's runs and this stratum's methods
         residual = sub - sub.mean(1, keepdims=True) - sub.mean(0, keepdims=True) + sub.mean()
-        df = len(stratum) * (n - 1)
+        df = (len(sub) - 1) * (n - 1)
         sd = math.sqrt(float((residual ** 2).sum()) / df)
-        half = float(scipy_stats.t.ppf((1 + level) / 2, df=df)) * sd * math.sqrt(2 / n)
+        half = float(scipy_stats.t.ppf((1 + level) / 2, df=df)) * sd * math.sqrt((1 + 1 / n_plain) / n)
         for m in stratum.tolist():
-            gain = float(logs[m + 1].mean() - logs[0].mean())
+            gain = float((logs[m + n_plain] - reference).mean())
             out[m] = (math.exp(gain - half), math.exp(gain + half))
     return out

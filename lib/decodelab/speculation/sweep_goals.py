@@ -137,4 +137,5 @@ def noise_sentence(rows: list[dict]) -> str:
                 "needs at least 2.")
     cells = ", ".join(f"batch {r['batch']} [{r['speedup_low']:.3f}, {r['speedup_high']:.3f}]" for r in bounded)
     return (f"Noise floor: plain decoding against itself (A/A, {bounded[0]['repeats']} interleaved rounds, noise "
-            f"pooled over every run of the batch) gives 95% intervals {cells}; a method's interval is as wide.")
+            f"pooled over the batch's runs of like length) gives 95% intervals {cells}; a method as long as plain gets "
+            "sqrt(3/4) of that width, its reference being the mean of plain's two runs per round.")
