@@ -76,14 +76,16 @@ def _row(stats: SpecStats, **labels) -> dict:
 WARMUP_TOKENS = 4  # new tokens of the untimed plain decode that warms a sweep's shared prefill up
 
 
-def rounds_by_batch(table: dict, batch_sizes: list[int], default: int) -> dict[int, int]:
+def rounds_by_batch(table: dict, batch_sizes: list[int], default: int, *,
+                    name: str = "sweep_repeats_by_batch") -> dict[int, int]:
     """{batch: rounds} for every batch of the sweep: `table`'s rounds where it names the batch, else `default`.
     Keys may be strings of digits (a parameter's dict keys arrive so through papermill's JSON); a key that is
-    not a swept batch raises ValueError naming the allowed batches, before any work."""
+    not one of `batch_sizes` raises ValueError naming the parameter (`name`) and the allowed batches, before
+    any work."""
     given = {int(b) if str(b).isdigit() else b: r for b, r in table.items()}
     unknown = sorted(set(given) - set(batch_sizes), key=str)
     if unknown:
-        raise ValueError(f"sweep_repeats_by_batch={table!r}: keys {unknown} are not in batch_sizes; "
+        raise ValueError(f"{name}={table!r}: keys {unknown} are not in batch_sizes; "
                          f"allowed: {list(batch_sizes)}")
     return {b: given.get(b, default) for b in batch_sizes}
 
