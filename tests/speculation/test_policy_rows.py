@@ -420,7 +420,8 @@ def test_sweep_rounds_per_batch_read_string_keys_and_name_a_key_that_is_not_a_ba
     assert speculative_bench.rounds_by_batch({}, [1, 4], 2) == {1: 2, 4: 2}
     with pytest.raises(ValueError, match=r"keys \[7, 'x'\] are not in batch_sizes; allowed: \[1, 4\]"):
         speculative_bench.rounds_by_batch({7: 2, "x": 1, 1: 3}, [1, 4], 2)
-    with pytest.raises(ValueError, match=r"^k0_repeats_by_batch=\{4: 2\}: keys \[4\] are not in batch_sizes; allowed: \[1, 64\]"):
+    with pytest.raises(ValueError,
+                       match=r"^k0_repeats_by_batch=\{4: 2\}: keys \[4\] are not in batch_sizes; allowed: \[1, 64\]"):
         speculative_bench.rounds_by_batch({4: 2}, [1, 64], 2, name="k0_repeats_by_batch")
 
 
