@@ -113,7 +113,8 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
     each round's reference for the methods' intervals (both are plain: their mean is a better reference
     than either; a method's interval is then sqrt(3/4) of the A/A's width at the same noise).
     -> one row per method (+ "plain" first) with SpecStats fields of that round, `speedup`, `speedup_low`,
-    `speedup_high`, `round_speedups` (the paired per-round ratios), `repeats`, and `tokens` (new tokens
+    `speedup_high`, `round_speedups` (the paired per-round ratios: plain's row its twin over plain, a
+    method's over the round's reference), `repeats`, and `tokens` (new tokens
     per row, to check greedy equality; identical across rounds when greedy).
     """
     if not isinstance(repeats, int) or repeats < 1:
@@ -150,6 +151,8 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
                 best[i] = res
     plain_tps = best[0].stats.decode_tokens_per_s
     plain_rates = round_rates(rounds[0])
+    # the methods' per-round reference, as in their intervals: plain's rate, or its geometric mean with the twin's
+    reference = np.sqrt(plain_rates * round_rates(rounds[-1])) if aa_check else plain_rates
     methods_rounds = rounds[1:len(runs) - int(aa_check)]
     twins = [rounds[-1]] if aa_check else []
     intervals = pooled_speedup_intervals(rounds[0], methods_rounds, plain_twins=twins)
@@ -159,11 +162,11 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
     paired_rounds = [rounds[-1] if aa_check else rounds[0]] + methods_rounds
     out = []
     listed = runs[:-1] if aa_check else runs
-    for (name, _, k), res, paired, (low, high) in zip(listed, best, paired_rounds, intervals):
+    for i, ((name, _, k), res, paired, (low, high)) in enumerate(zip(listed, best, paired_rounds, intervals)):
         out.append(_row(res.stats, batch=B, drafter=name, k="adaptive" if callable(k) else k, repeats=repeats,
                         speedup=res.stats.decode_tokens_per_s / plain_tps, speedup_low=low, speedup_high=high,
-                        round_speedups=(round_rates(paired) / plain_rates).tolist(), row_k=res.stats.row_k,
-                        tokens=res.tokens))
+                        round_speedups=(round_rates(paired) / (reference if i else plain_rates)).tolist(),
+                        row_k=res.stats.row_k, tokens=res.tokens))
     return out
 
 
