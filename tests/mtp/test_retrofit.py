@@ -383,3 +383,21 @@ def test_best_k_note_lists_every_draft_length_and_names_the_fastest():
     assert (draft_eval.best_k_note(rows, drafter="mtp", category="code_edit", batch=1)
             == "k = 2 of [1, 2, 3] (k = 1: 1.27x, k = 2: 1.33x, k = 3: 1.25x); ")
     assert draft_eval.best_k_note(rows, drafter="mtp", category="chat", batch=1) == ""
+
+
+def test_a_cached_distill_set_remembers_what_building_it_cost(tmp_path, monkeypatch):
+    """The record's data_s must state the build's seconds even when training found the set in the cache."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(distill, "task_pairs", lambda corpus, data: [])
+    monkeypatch.setattr(distill, "content_hash", lambda *args: "key")
+    monkeypatch.setattr(distill, "mixed_sequences",
+                        lambda tokenizer, pairs, chats, own: ([list(range(3, 11)), list(range(20, 25))], ["chat"] * 2))
+    loaded = SimpleNamespace(name="tiny", hf_model=frozen(), tokenizer=SimpleNamespace(pad_token_id=0))
+    corpus = SimpleNamespace(corpus_hash="c")
+    data = distill.DistillData(seq_len=8, n_blocks=4, chat_prompts=0, code_gen_prompts=0, top_k=4)
+    built = distill.build_core_set(loaded, corpus, data, cache_dir=tmp_path)
+    again = distill.build_core_set(loaded, corpus, data, cache_dir=tmp_path)
+    assert built["cached"] is False and again["cached"] is True
+    assert built["build_s"] > 0 and again["build_s"] == built["build_s"]
+    assert torch.equal(again["tokens"], built["tokens"]) and torch.equal(again["top_ids"], built["top_ids"])

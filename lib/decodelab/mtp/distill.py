@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -299,7 +300,8 @@ def build_distill_set(loaded, corpus, data: DistillData, *, cache_dir: str | Pat
     loaded: the frozen `decodelab.core.models.LoadedModel`; corpus: `decodelab.mtp.data.load_corpus()`.
     feature_layers: also the trunk's states after these layers ("features", see `trunk_features`).
     -> {"tokens" (N, T), "mask" (N, T) bool (real tokens, not padding), "hidden", "top_ids", "top_logp",
-        "hash", "kinds": sequences per kind}.
+        "hash", "kinds": sequences per kind, "build_s": seconds the core set took to build (on a cache hit, the
+        recorded build's; None for a set cached before builds were timed), "cached": whether it came from the cache}.
     """
     root = Path(cache_dir) if cache_dir is not None else None
     dataset = build_core_set(loaded, corpus, data, cache_dir=root, progress=progress)
@@ -322,8 +324,10 @@ def build_core_set(loaded, corpus, data: DistillData, *, cache_dir: str | Path |
     path = root / f"{key}.safetensors"
     if path.exists():
         tensors = load_file(str(path))
-        kinds = json.loads((root / f"{key}.json").read_text())["kinds"]
-        return {**tensors, "mask": tensors["mask"].bool(), "hash": key, "kinds": kinds}
+        meta = json.loads((root / f"{key}.json").read_text())
+        return {**tensors, "mask": tensors["mask"].bool(), "hash": key, "kinds": meta["kinds"],
+                "build_s": meta.get("build_s"), "cached": True}
+    began = time.perf_counter()
     own, pairs = split_own_code(task_pairs(corpus, data), data.code_gen_prompts)
     chats = chat_sequences(loaded, data, progress=progress)
     own_code = own_code_sequences(loaded, own, data, progress=progress)
@@ -342,6 +346,8 @@ def build_core_set(loaded, corpus, data: DistillData, *, cache_dir: str | Path |
     root.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file({**out, "mask": mask.to(torch.uint8)}, str(tmp))
-    (root / f"{key}.json").write_text(json.dumps({"kinds": kinds, "data": data.as_dict(), "model": loaded.name}))
+    build_s = time.perf_counter() - began
+    (root / f"{key}.json").write_text(json.dumps({"kinds": kinds, "data": data.as_dict(), "model": loaded.name,
+                                                 "build_s": build_s}))
     tmp.replace(path)  # a half-written file never carries the final name
-    return {**out, "hash": key, "kinds": kinds}
+    return {**out, "hash": key, "kinds": kinds, "build_s": build_s, "cached": False}
