@@ -37,10 +37,10 @@ class DistillData:
     """What the distillation set is made of (part of the checkpoint's content hash)."""
 
     seq_len: int = 512  # tokens per training block (a code edit's request + answer fits whole)
-    n_blocks: int = 768  # blocks the frozen trunk runs over (the cost: one trunk forward per token)
+    n_blocks: int = 1024  # blocks the frozen trunk runs over (the cost: one trunk forward per token)
     chat_prompts: int = 32  # writing prompts answered by the model itself (greedy, through the engine)
     chat_new_tokens: int = 48  # tokens generated per chat prompt
-    code_gen_prompts: int = 384  # code-edit requests answered by the model itself (greedy) instead of the reference
+    code_gen_prompts: int = 768  # code-edit requests answered by the model itself (greedy) instead of the reference
     code_gen_tokens: int = 96  # tokens generated per such request
     gen_batch_size: int = 8  # rows per engine.generate call
     top_k: int = 16  # teacher log-probs kept per position (the KL is over these, renormalized)
