@@ -113,8 +113,11 @@ def train_checkpoint(spec: RetrofitSpec, *, model_name: str = "smollm2-135m", ou
     dataset = build_distill_set(loaded, corpus, spec.data, cache_dir=root / "data", progress=progress,
                                 feature_layers=spec.feature_layers)
     data_s = time.perf_counter() - began
-    if dataset.get("cached") and dataset.get("build_s") is not None:
-        data_s = dataset["build_s"]  # the set came from the cache: the record states what building it cost
+    # a set from the cache: the record states what building it cost (a set cached before builds were timed
+    # has no such figure; then the seconds above, loading it, are all there is, and data_from_cache stays False)
+    data_from_cache = bool(dataset.get("cached")) and dataset.get("build_s") is not None
+    if data_from_cache:
+        data_s = dataset["build_s"]
     model = new_module_model(loaded.hf_model, spec.seed, spec.init_layer, spec.feature_layers)
     result = train_retrofit(model, dataset, spec, run_dir=run_dir, save_every=save_every, stop_after=stop_after,
                             progress=progress)
@@ -135,7 +138,7 @@ def train_checkpoint(spec: RetrofitSpec, *, model_name: str = "smollm2-135m", ou
               "distill_set": {"hash": dataset["hash"], "kinds": dataset["kinds"], "blocks": len(dataset["tokens"]),
                               "tokens": int(dataset["mask"].sum())},
               "command": command or "decodelab train-mtp", "train_s": result["elapsed_s"], "data_s": data_s,
-              "data_from_cache": bool(dataset.get("cached")),
+              "data_from_cache": data_from_cache,
               "load_average": load_average(), "cpu_threads": torch.get_num_threads(),
               "python": platform.python_version(), "torch": torch.__version__, "dtype": "bfloat16",
               "train_agreement_fp32": agreement, "train_agreement_bf16": agreement_bf16,
