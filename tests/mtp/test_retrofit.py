@@ -266,6 +266,15 @@ def test_mixed_sequences_put_the_models_own_code_answers_before_each_task_while_
     assert set(kinds) <= set(distill.TASK_KINDS)
 
 
+def test_more_own_code_answers_than_tasks_are_spread_evenly_and_none_is_dropped():
+    pairs = [("code_edit", f"r{i}", f"a{i}") for i in range(3)]
+    own = [[50 + i] for i in range(5)]  # ceil(5 / 3) = 2 before each task while they last
+    sequences, kinds = distill.mixed_sequences(CharTokenizer(), pairs, [], own)
+    assert kinds == ["code_edit_own"] * 2 + ["code_edit"] + ["code_edit_own"] * 2 + ["code_edit"] + \
+        ["code_edit_own", "code_edit"]
+    assert [s for s, k in zip(sequences, kinds) if k == "code_edit_own"] == own  # in order, all of them
+
+
 def test_greedy_sequences_are_the_prompt_plus_the_engines_greedy_answer():
     loaded = tiny_model(seed=0, vocab_size=VOCAB)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
@@ -355,6 +364,25 @@ def test_drafter_rows_at_batch_1_pool_prompts_decoded_one_at_a_time():
     assert reached[0] > 0 and row["acceptance"] == [a / r if r else None for a, r in zip(accepted, reached)]
     with pytest.raises(ValueError, match="batch1_prompts=0"):
         draft_eval.drafter_rows(tr, {}, {"code_edit": prompts}, [1], k=1, max_new_tokens=2, batch1_prompts=0)
+
+
+def test_prompt_acceptance_pools_counts_over_prompts_decoded_alone_with_an_interval_that_holds_the_rate():
+    from decodelab.mtp import draft_eval
+    from decodelab.speculation.decode import generate as spec_generate
+    from decodelab.speculation.drafters import make_drafter
+
+    tr = Transformer.from_hf(frozen())
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8], [3, 4, 3, 4, 3]]
+    got = draft_eval.prompt_acceptance(tr, lambda: make_drafter("ngram", tr), prompts, k=2, max_new_tokens=8)
+    alone = [spec_generate(tr, [p], make_drafter("ngram", tr), k=2, max_new_tokens=8).stats for p in prompts]
+    assert got["prompts"] == 3 and got["reached"] == [list(s.reached[:2]) for s in alone]
+    reached = sum(s.reached[0] for s in alone)
+    assert reached > 0 and got["acceptance"][0] == sum(s.accepted[0] for s in alone) / reached
+    low, high = got["ci"][0]
+    assert 0.0 <= low <= got["acceptance"][0] <= high <= 1.0
+    assert got["tau"] == sum(s.emitted for s in alone) / sum(s.row_steps for s in alone)
+    with pytest.raises(ValueError, match="prompts is empty"):
+        draft_eval.prompt_acceptance(tr, lambda: make_drafter("ngram", tr), [], k=1, max_new_tokens=2)
 
 
 def test_best_k_reads_the_fastest_draft_length_and_the_claim_reports_it():

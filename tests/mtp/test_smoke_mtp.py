@@ -88,6 +88,17 @@ def test_shipped_module_keeps_next_token_logits_and_greedy_output_on_smoke(metri
     assert module["source"] == "shipped" and module["problems"] == []  # the shipped record matches the default spec
 
 
+def test_the_acceptance_goal_reads_the_untimed_sample_with_its_interval_on_smoke(metrics, params):
+    sample = metrics["retrofit_module_acceptance"]
+    assert sample["prompts"] == params["acceptance_prompts"] and sample["k"] == params["draft_k"]
+    reached, accepted = [r[0] for r in sample["reached"]], [a[0] for a in sample["accepted"]]
+    assert sum(reached) > 0 and sample["acceptance"][0] == sum(accepted) / sum(reached)  # counts pooled, not rates
+    low, high = sample["ci"][0]
+    assert 0 <= low <= sample["acceptance"][0] <= high <= 1
+    goal = next(g for g in metrics["goals"] if g["name"] == "module_pos1_acceptance_code_edit")
+    assert goal["value"] == sample["acceptance"][0] and f"{sum(reached)} judged drafts" in goal["note"]
+
+
 def test_training_cost_is_measured_at_the_cost_size_with_the_whole_training_state_on_smoke(smoke_runs, metrics,
                                                                                           params):
     import pandas as pd

@@ -9,6 +9,9 @@ row. Acceptance per draft position is the loop's own count (`SpecStats.acceptanc
 Batch 1 decodes `batch1_prompts` prompts one at a time inside each timed call (their times add up, their
 acceptance counts pool): one prompt of 48 tokens gives a drafter ~20 judged drafts, too few to read an
 acceptance rate or a speedup from.
+
+`prompt_acceptance`: the acceptance a goal reads, untimed, over many prompts decoded one at a time, with a
+bootstrap interval over prompts (a few prompts' ~100 judged drafts leave about +-5 points of sampling noise).
 """
 from __future__ import annotations
 
@@ -22,6 +25,15 @@ def category_prompts(tokenizer, categories: list[str], n: int) -> dict[str, list
     from decodelab.workloads.spec import load_workloads, workload_prompts
 
     return {c: workload_prompts(tokenizer, load_workloads(categories=[c]), n) for c in categories}
+
+
+def distinct_prompts(tokenizer, category: str, n: int) -> list[list[int]]:
+    """The first min(n, all) chat-formatted prompts of one workload category, none repeated (an interval over
+    prompts must not count a prompt twice)."""
+    from decodelab.workloads.spec import load_workloads, workload_prompts
+
+    items = load_workloads(categories=[category])
+    return workload_prompts(tokenizer, items, min(n, len(items)))
 
 
 class _Pooled:
@@ -94,6 +106,58 @@ def drafter_rows(target, drafters: dict, prompts_by_category: dict[str, list[lis
                              "speedup": plain_s / min(times[name]), "plain_s": plain_s, "spec_s": min(times[name]),
                              "greedy_match": same == len(chosen), "rows_identical": same, "vocab_coverage": covered})
     return rows
+
+
+def prompt_acceptance(target, factory, prompts: list[list[int]], *, k: int, max_new_tokens: int,
+                      eos_token_ids: list[int] | None = None, level: float = 0.95) -> dict:
+    """A drafter's acceptance per draft position, each prompt decoded alone by greedy speculative decoding
+    (untimed: acceptance does not depend on load), pooled over prompts as a ratio of counts, with a percentile
+    bootstrap interval over prompts (prompts resampled whole, so their drafts' correlation is kept).
+
+    factory: a zero-argument factory of a fresh `Drafter` (one per prompt).
+    -> {"prompts", "k", "acceptance" (per position, None where no draft reached it), "ci" ((low, high) or None
+        per position), "level", "tau" (pooled), "accepted" / "reached" (per prompt, per position)}.
+    """
+    import numpy as np
+
+    from decodelab.common.stats import bootstrap_ci
+    from decodelab.speculation.decode import generate as spec_generate
+
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} must be an int >= 1")
+    if not prompts:
+        raise ValueError("prompts is empty: need at least one prompt to measure acceptance on")
+    stats = [spec_generate(target, [p], factory(), k=k, max_new_tokens=max_new_tokens,
+                           eos_token_ids=list(eos_token_ids or [])).stats for p in prompts]
+    accepted = [list(s.accepted[:k]) for s in stats]
+    reached = [list(s.reached[:k]) for s in stats]
+    acceptance, ci = [], []
+    for i in range(k):
+        counts = np.array([[a[i], r[i]] for a, r in zip(accepted, reached)], dtype=float)
+        if counts[:, 1].sum() == 0:
+            acceptance.append(None)
+            ci.append(None)
+            continue
+        pooled = lambda x: x[..., 0].sum(-1) / np.maximum(x[..., 1].sum(-1), 1)  # noqa: E731
+        rate, low, high = bootstrap_ci(counts, statistic=pooled, level=level)
+        acceptance.append(rate)
+        ci.append((low, high))
+    tau = sum(s.emitted for s in stats) / max(sum(s.row_steps for s in stats), 1)
+    return {"prompts": len(prompts), "k": k, "max_new_tokens": max_new_tokens, "acceptance": acceptance, "ci": ci,
+            "level": level, "tau": tau, "accepted": accepted, "reached": reached}
+
+
+def acceptance_note(result: dict | None, position: int = 0) -> str:
+    """"24 prompts decoded alone, k = 3, up to 48 tokens, 610 judged drafts; 95% interval over prompts
+    55.0%-63.1%; " for a goal's note from `prompt_acceptance`'s result ("" for None)."""
+    if result is None:
+        return ""
+    judged = sum(r[position] for r in result["reached"])
+    ci = result["ci"][position]
+    interval = (f"{result['level']:.0%} interval over prompts {ci[0]:.1%}-{ci[1]:.1%}; " if ci is not None
+                else "no draft reached this position; ")
+    return (f"{result['prompts']} prompts decoded alone, k = {result['k']}, up to {result['max_new_tokens']} tokens, "
+            f"{judged} judged drafts; " + interval)
 
 
 def pick(rows: list[dict], key: str, *, drafter: str, category: str, batch: int | None = None,

@@ -190,11 +190,14 @@ def _pct(value) -> str:
     return format_value(value, "%")
 
 
-def module_claim(module: dict, rows: list[dict], *, category: str = "code_edit") -> list[str]:
+def module_claim(module: dict, rows: list[dict], *, category: str = "code_edit",
+                 acceptance: dict | None = None) -> list[str]:
     """Sentences answering the brief's "can't retrofit" from the shipped module's numbers.
 
     module: {"name", "source", "record"} (`decodelab.mtp.shipped.obtain_module`'s, record = record.json);
-    rows: `decodelab.mtp.draft_eval.drafter_rows` (drafters "mtp", "ngram", "layer_skip").
+    rows: `decodelab.mtp.draft_eval.drafter_rows` (drafters "mtp", "ngram", "layer_skip");
+    acceptance: `decodelab.mtp.draft_eval.prompt_acceptance` on `category` (the wider sample the acceptance goal
+    reads), or None to read position 1 from the timed rows.
     """
     from decodelab.mtp.draft_eval import best_k, pick
 
@@ -229,6 +232,12 @@ def module_claim(module: dict, rows: list[dict], *, category: str = "code_edit")
                      f"(tau {fastest['tau']:.2f}).")
         speed = fastest["speedup"]
     first = acc[0] if acc else None
+    if acceptance is not None and acceptance["acceptance"][0] is not None:
+        first = acceptance["acceptance"][0]
+        low, high = acceptance["ci"][0]
+        lines.append(f"Over {acceptance['prompts']} {category} prompts decoded alone (untimed, k={acceptance['k']}), "
+                     f"position-1 acceptance is {_pct(first)} ({acceptance['level']:.0%} interval over prompts "
+                     f"{_pct(low)}-{_pct(high)}), tau {acceptance['tau']:.2f}.")
     if first is not None and first >= 0.60 and speed >= 1.3:
         verdict = ("yes: a module trained after the fact on the model's own outputs drafts at DeepSeek's "
                    "reused-module level and pays for itself")
