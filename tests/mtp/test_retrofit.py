@@ -429,3 +429,33 @@ def test_a_cached_distill_set_remembers_what_building_it_cost(tmp_path, monkeypa
     assert built["cached"] is False and again["cached"] is True
     assert built["build_s"] > 0 and again["build_s"] == built["build_s"]
     assert torch.equal(again["tokens"], built["tokens"]) and torch.equal(again["top_ids"], built["top_ids"])
+
+
+def test_a_bfloat16_trunk_pass_changes_the_sets_hash_but_not_the_default_one_and_keeps_the_teacher_close(
+        tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    default = distill.DistillData()
+    assert "trunk_dtype" not in default.as_dict()  # sets cached (and shipped) before the field keep their hash
+    assert distill.DistillData(trunk_dtype="bfloat16").as_dict()["trunk_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="trunk_dtype='float16'"):
+        distill.DistillData(trunk_dtype="float16")
+    monkeypatch.setattr(distill, "task_pairs", lambda corpus, data: [])
+    monkeypatch.setattr(distill, "mixed_sequences",
+                        lambda tokenizer, pairs, chats, own: ([list(range(3, 40)), list(range(20, 50))], ["chat"] * 2))
+    trunk = frozen()
+    tokenizer = SimpleNamespace(pad_token_id=0, get_vocab=lambda: {"a": 0})
+    loaded = SimpleNamespace(name="tiny", hf_model=trunk, tokenizer=tokenizer)
+    corpus = SimpleNamespace(corpus_hash="c")
+    sets = {dtype: distill.build_core_set(loaded, corpus, distill.DistillData(seq_len=40, n_blocks=4, chat_prompts=0,
+                                                                               code_gen_prompts=0, top_k=4,
+                                                                               trunk_dtype=dtype),
+                                          cache_dir=tmp_path)
+            for dtype in ("float32", "bfloat16")}
+    full, half = sets["float32"], sets["bfloat16"]
+    assert full["hash"] != half["hash"] and next(trunk.parameters()).dtype == torch.float32  # the model is not cast
+    assert torch.equal(full["tokens"], half["tokens"])
+    mask = full["mask"]
+    assert (full["top_ids"][..., 0] == half["top_ids"][..., 0])[mask].float().mean() >= 0.9
+    rel = (full["hidden"].float() - half["hidden"].float()).norm(dim=-1) / full["hidden"].float().norm(dim=-1)
+    assert rel[mask].min() > 0 and rel[mask].mean() < 0.05  # a bfloat16 pass, and a close one

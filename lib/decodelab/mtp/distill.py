@@ -21,6 +21,7 @@ predicts t_{i+2}) is the target's distribution at position i + 1.
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import itertools
 import json
@@ -31,6 +32,9 @@ from pathlib import Path
 import torch
 
 TASK_KINDS = ("code_edit", "code_edit_own", "extraction", "chat")  # code_edit_own: the model's own greedy answer
+TRUNK_DTYPES = ("float32", "bfloat16")
+# DistillData fields added after sets were cached and shipped, with the value every set had before them
+ADDED_FIELDS = {"trunk_dtype": "float32"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,11 @@ class DistillData:
     top_k: int = 16  # teacher log-probs kept per position (the KL is over these, renormalized)
     min_code_lines: int = 4  # functions shorter than this teach little copying
     max_code_chars: int = 700  # and longer ones do not fit a block twice (prompt + answer)
+    # dtype of the frozen model's pass over the blocks (its states and teacher top-k); the answers are always
+    # generated in the loaded model's dtype. "bfloat16" takes 0.26 s a block instead of 0.64 on 2 cores; its teacher
+    # top-1 matches float32's at 98.0% of positions, and a module trained 1536 steps on either set drafts alike
+    # (24 code-edit prompts, k = 1: 47.3% vs 46.9%)
+    trunk_dtype: str = "float32"
 
     def __post_init__(self):
         for name in ("seq_len", "n_blocks", "gen_batch_size", "top_k", "min_code_lines", "max_code_chars"):
@@ -57,9 +66,15 @@ class DistillData:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
+        if self.trunk_dtype not in TRUNK_DTYPES:
+            raise ValueError(f"trunk_dtype={self.trunk_dtype!r} must be one of {TRUNK_DTYPES}")
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        for name, before in ADDED_FIELDS.items():  # a set hashed before the field keeps its hash
+            if out[name] == before:
+                del out[name]
+        return out
 
 
 def functions_of(source: str, *, min_lines: int, max_chars: int) -> list[tuple[str, str]]:
@@ -342,7 +357,8 @@ def build_core_set(loaded, corpus, data: DistillData, *, cache_dir: str | Path |
         while n and block[n - 1] == pad:
             n -= 1
         mask[row, n:] = False
-    targets = trunk_targets(loaded.hf_model, tokens, data.top_k, progress=progress)
+    trunk = loaded.hf_model if data.trunk_dtype == "float32" else copy.deepcopy(loaded.hf_model).to(torch.bfloat16)
+    targets = trunk_targets(trunk, tokens, data.top_k, progress=progress)
     out = {"tokens": tokens, "mask": mask, **targets}
     root.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
