@@ -131,6 +131,7 @@ def prompt_acceptance(target, factory, prompts: list[list[int]], *, k: int, max_
                            eos_token_ids=list(eos_token_ids or [])).stats for p in prompts]
     accepted = [list(s.accepted[:k]) for s in stats]
     reached = [list(s.reached[:k]) for s in stats]
+    pooled = lambda x: x[..., 0].sum(-1) / np.maximum(x[..., 1].sum(-1), 1)  # noqa: E731  (accepted, reached) units
     acceptance, ci = [], []
     for i in range(k):
         counts = np.array([[a[i], r[i]] for a, r in zip(accepted, reached)], dtype=float)
@@ -138,7 +139,6 @@ def prompt_acceptance(target, factory, prompts: list[list[int]], *, k: int, max_
             acceptance.append(None)
             ci.append(None)
             continue
-        pooled = lambda x: x[..., 0].sum(-1) / np.maximum(x[..., 1].sum(-1), 1)  # noqa: E731
         rate, low, high = bootstrap_ci(counts, statistic=pooled, level=level)
         acceptance.append(rate)
         ci.append((low, high))
