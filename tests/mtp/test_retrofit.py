@@ -459,3 +459,51 @@ def test_a_bfloat16_trunk_pass_changes_the_sets_hash_but_not_the_default_one_and
     assert (full["top_ids"][..., 0] == half["top_ids"][..., 0])[mask].float().mean() >= 0.9
     rel = (full["hidden"].float() - half["hidden"].float()).norm(dim=-1) / full["hidden"].float().norm(dim=-1)
     assert rel[mask].min() > 0 and rel[mask].mean() < 0.05  # a bfloat16 pass, and a close one
+
+
+def test_the_method_pool_adds_class_methods_dedented_in_source_order_and_leaves_functions_as_they_were():
+    source = ("def top(a):\n    x = a\n    \n    return x\n\n"
+              "class C:\n    def m(self):\n        y = 1\n        return y\n\n    def short(self):\n        pass\n\n"
+              "def last(b):\n    z = b\n    return z\n")
+    plain = distill.functions_of(source, min_lines=3, max_chars=200)
+    assert [name for name, _ in plain] == ["top", "last"]
+    assert plain[0][1] == "def top(a):\n    x = a\n    \n    return x"  # whitespace-only lines kept: hashes hold
+    both = distill.functions_of(source, min_lines=3, max_chars=200, methods=True)
+    assert [name for name, _ in both] == ["top", "m", "last"]
+    assert dict(both)["m"] == "def m(self):\n    y = 1\n    return y"
+    request, answer = distill.code_edit_pair("m", dict(both)["m"])
+    assert "def m_v2(self):" in answer
+    assert "code_pool" not in distill.DistillData().as_dict()
+    assert distill.DistillData(code_pool="functions+methods").as_dict()["code_pool"] == "functions+methods"
+    with pytest.raises(ValueError, match="code_pool='classes'"):
+        distill.DistillData(code_pool="classes")
+
+
+def test_answers_in_bfloat16_come_from_a_bfloat16_copy_and_the_default_set_keeps_its_hash(tmp_path, monkeypatch):
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    assert "answer_dtype" not in distill.DistillData().as_dict()
+    with pytest.raises(ValueError, match="answer_dtype='float16'"):
+        distill.DistillData(answer_dtype="float16")
+    seen = []
+
+    def answers(loaded, prompts, new_tokens, batch_size, progress=False):
+        seen.append(next(loaded.hf_model.parameters()).dtype)
+        assert next(iter(loaded.transformer.state_dict().values())).dtype == seen[-1]
+        return [p + [5] * new_tokens for p in prompts]
+
+    monkeypatch.setattr(distill, "greedy_sequences", answers)
+    monkeypatch.setattr(distill, "task_pairs", lambda corpus, data: [("code_edit", "rename", "a")])
+    monkeypatch.setattr(distill, "mixed_sequences", lambda tokenizer, pairs, chats, own: (own, ["code_edit_own"]))
+    monkeypatch.setattr("decodelab.workloads.prompts.user_prompt_ids", lambda tokenizer, text: [7, 8, 9])
+    loaded = replace(tiny_model(seed=0, vocab_size=VOCAB),
+                     tokenizer=SimpleNamespace(pad_token_id=0, get_vocab=lambda: {"a": 0}))
+    corpus = SimpleNamespace(corpus_hash="c")
+    for dtype in ("float32", "bfloat16"):
+        data = distill.DistillData(seq_len=16, n_blocks=2, chat_prompts=0, code_gen_prompts=1, code_gen_tokens=3,
+                                   top_k=4, answer_dtype=dtype)
+        built = distill.build_core_set(loaded, corpus, data, cache_dir=tmp_path)
+        assert built["tokens"][0, :6].tolist() == [7, 8, 9, 5, 5, 5]
+    assert seen == [torch.float32, torch.bfloat16]
+    assert next(loaded.hf_model.parameters()).dtype == torch.float32  # the loaded model is not cast

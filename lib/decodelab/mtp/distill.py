@@ -25,16 +25,18 @@ import copy
 import hashlib
 import itertools
 import json
+import textwrap
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 TASK_KINDS = ("code_edit", "code_edit_own", "extraction", "chat")  # code_edit_own: the model's own greedy answer
-TRUNK_DTYPES = ("float32", "bfloat16")
+FROZEN_DTYPES = ("float32", "bfloat16")  # "float32": the model as loaded; "bfloat16": a bf16 copy of it
+CODE_POOLS = ("functions", "functions+methods")  # which definitions the code-edit requests rename
 # DistillData fields added after sets were cached and shipped, with the value every set had before them
-ADDED_FIELDS = {"trunk_dtype": "float32"}
+ADDED_FIELDS = {"trunk_dtype": "float32", "answer_dtype": "float32", "code_pool": "functions"}
 
 
 @dataclass(frozen=True)
@@ -51,11 +53,16 @@ class DistillData:
     top_k: int = 16  # teacher log-probs kept per position (the KL is over these, renormalized)
     min_code_lines: int = 4  # functions shorter than this teach little copying
     max_code_chars: int = 700  # and longer ones do not fit a block twice (prompt + answer)
-    # dtype of the frozen model's pass over the blocks (its states and teacher top-k); the answers are always
-    # generated in the loaded model's dtype. "bfloat16" takes 0.26 s a block instead of 0.64 on 2 cores; its teacher
-    # top-1 matches float32's at 98.0% of positions, and a module trained 1536 steps on either set drafts alike
-    # (24 code-edit prompts, k = 1: 47.3% vs 46.9%)
+    # dtype of the frozen model's pass over the blocks (its states and teacher top-k). "bfloat16" takes 0.26 s a
+    # block instead of 0.64 on 2 cores; its teacher top-1 matches float32's at 98.0% of positions, and a module
+    # trained 1536 steps on either set drafts alike (24 code-edit prompts, k = 1: 47.3% vs 46.9%)
     trunk_dtype: str = "float32"
+    # dtype the model writes its own answers in: "bfloat16" takes 0.33 s an answer instead of 0.63 (batch 32, 2
+    # cores); the text is still the model's (the teacher is the trunk pass above either way), though 41 of 64
+    # greedy code-edit answers part from float32's somewhere
+    answer_dtype: str = "float32"
+    # "functions+methods" also renames the methods of top-level classes: 7041 requests instead of 1626
+    code_pool: str = "functions"
 
     def __post_init__(self):
         for name in ("seq_len", "n_blocks", "gen_batch_size", "top_k", "min_code_lines", "max_code_chars"):
@@ -66,8 +73,11 @@ class DistillData:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
-        if self.trunk_dtype not in TRUNK_DTYPES:
-            raise ValueError(f"trunk_dtype={self.trunk_dtype!r} must be one of {TRUNK_DTYPES}")
+        for name in ("trunk_dtype", "answer_dtype"):
+            if getattr(self, name) not in FROZEN_DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {FROZEN_DTYPES}")
+        if self.code_pool not in CODE_POOLS:
+            raise ValueError(f"code_pool={self.code_pool!r} must be one of {CODE_POOLS}")
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -77,19 +87,26 @@ class DistillData:
         return out
 
 
-def functions_of(source: str, *, min_lines: int, max_chars: int) -> list[tuple[str, str]]:
-    """(name, source) of the top-level functions of a module's source that fit the size limits."""
+def functions_of(source: str, *, min_lines: int, max_chars: int, methods: bool = False) -> list[tuple[str, str]]:
+    """(name, source) of the top-level functions of a module's source that fit the size limits, in source order;
+    with methods, also the methods of its top-level classes (dedented, as a request would quote one alone)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []
     lines = source.splitlines()
-    out = []
+    nodes = []  # (definition, whether it is a method)
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.end_lineno is not None:
-            code = "\n".join(lines[node.lineno - 1:node.end_lineno])
-            if node.end_lineno - node.lineno + 1 >= min_lines and len(code) <= max_chars:
-                out.append((node.name, code))
+        if isinstance(node, ast.FunctionDef):
+            nodes.append((node, False))
+        elif methods and isinstance(node, ast.ClassDef):
+            nodes += [(m, True) for m in node.body if isinstance(m, ast.FunctionDef)]
+    out = []
+    for node, is_method in nodes:
+        code = "\n".join(lines[node.lineno - 1:node.end_lineno])
+        code = textwrap.dedent(code) if is_method else code  # dedent also blanks whitespace-only lines
+        if node.end_lineno - node.lineno + 1 >= min_lines and len(code) <= max_chars:
+            out.append((node.name, code))
     return out
 
 
@@ -134,7 +151,8 @@ def task_pairs(corpus, data: DistillData) -> list[tuple[str, str, str]]:
     edits and extractions interleaved."""
     code, extract = [], []
     for text in training_texts(corpus):
-        for name, fn in functions_of(text, min_lines=data.min_code_lines, max_chars=data.max_code_chars):
+        for name, fn in functions_of(text, min_lines=data.min_code_lines, max_chars=data.max_code_chars,
+                                     methods=data.code_pool == "functions+methods"):
             code.append(("code_edit", *code_edit_pair(name, fn)))
         try:
             doc = ast.get_docstring(ast.parse(text))
@@ -345,8 +363,16 @@ def build_core_set(loaded, corpus, data: DistillData, *, cache_dir: str | Path |
                 "build_s": meta.get("build_s"), "cached": True}
     began = time.perf_counter()
     own, pairs = split_own_code(task_pairs(corpus, data), data.code_gen_prompts)
-    chats = chat_sequences(loaded, data, progress=progress)
-    own_code = own_code_sequences(loaded, own, data, progress=progress)
+    half = None  # one bfloat16 copy serves both the answers and the trunk pass
+    if "bfloat16" in (data.answer_dtype, data.trunk_dtype):
+        half = copy.deepcopy(loaded.hf_model).to(torch.bfloat16)
+    answerer = loaded
+    if data.answer_dtype == "bfloat16" and (data.chat_prompts or data.code_gen_prompts):
+        from decodelab.core.transformer import Transformer
+
+        answerer = replace(loaded, hf_model=half, transformer=Transformer.from_hf(half))
+    chats = chat_sequences(answerer, data, progress=progress)
+    own_code = own_code_sequences(answerer, own, data, progress=progress)
     sequences, seq_kinds = mixed_sequences(loaded.tokenizer, pairs, chats, own_code)
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
     tokens, used = pack_counted(sequences, data.seq_len, data.n_blocks, pad)
@@ -357,8 +383,8 @@ def build_core_set(loaded, corpus, data: DistillData, *, cache_dir: str | Path |
         while n and block[n - 1] == pad:
             n -= 1
         mask[row, n:] = False
-    trunk = loaded.hf_model if data.trunk_dtype == "float32" else copy.deepcopy(loaded.hf_model).to(torch.bfloat16)
-    targets = trunk_targets(trunk, tokens, data.top_k, progress=progress)
+    targets = trunk_targets(loaded.hf_model if data.trunk_dtype == "float32" else half, tokens, data.top_k,
+                            progress=progress)
     out = {"tokens": tokens, "mask": mask, **targets}
     root.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

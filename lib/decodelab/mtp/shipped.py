@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from decodelab.mtp.distill import TRUNK_DTYPES, DistillData
+from decodelab.mtp.distill import CODE_POOLS, FROZEN_DTYPES, DistillData
 from decodelab.mtp.retrofit_train import RetrofitSpec, spec_hash
 
 SHIPPED_DIR = Path(__file__).resolve().parents[3] / "checkpoints" / "mtp"
@@ -198,8 +198,12 @@ def parse_args(argv: list[str]):
                    help="code-edit requests answered by the model's own greedy continuation")
     p.add_argument("--gen-batch-size", type=int, default=data.gen_batch_size,
                    help="rows per generation call when the model answers (changes the set's hash, not its kind)")
-    p.add_argument("--trunk-dtype", default=data.trunk_dtype, choices=TRUNK_DTYPES,
-                   help="dtype of the frozen model's pass over the blocks (states, teacher); answers keep the model's")
+    p.add_argument("--trunk-dtype", default=data.trunk_dtype, choices=FROZEN_DTYPES,
+                   help="dtype of the frozen model's pass over the blocks (its states and the teacher)")
+    p.add_argument("--answer-dtype", default=data.answer_dtype, choices=FROZEN_DTYPES,
+                   help="dtype the model writes its own answers in")
+    p.add_argument("--code-pool", default=data.code_pool, choices=CODE_POOLS,
+                   help="definitions the code-edit requests rename (top-level functions, or methods too)")
     p.add_argument("--init-layer", type=lambda v: None if v == "none" else int(v), default=defaults.init_layer,
                    help="trunk layer the module's block starts as a copy of (-1: the last; 'none': identity init)")
     p.add_argument("--feature-layers", type=lambda v: tuple(int(x) for x in v.split(",") if x),
@@ -217,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     data = DistillData(seq_len=args.seq_len, n_blocks=args.n_blocks, chat_prompts=args.chat_prompts,
                        code_gen_prompts=args.code_gen_prompts, gen_batch_size=args.gen_batch_size,
-                       trunk_dtype=args.trunk_dtype)
+                       trunk_dtype=args.trunk_dtype, answer_dtype=args.answer_dtype, code_pool=args.code_pool)
     spec = RetrofitSpec(data=data, loss=args.loss, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                         warmup=max(1, min(RetrofitSpec.warmup, args.steps // 10)), loss_fraction=args.loss_fraction,
                         seed=args.seed, init_layer=args.init_layer, feature_layers=args.feature_layers,
