@@ -435,8 +435,8 @@ def test_a_bfloat16_trunk_pass_changes_the_sets_hash_but_not_the_default_one_and
         tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    default = distill.DistillData()
-    assert "trunk_dtype" not in default.as_dict()  # sets cached (and shipped) before the field keep their hash
+    # sets cached (and shipped) before the field keep their hash
+    assert "trunk_dtype" not in distill.DistillData(trunk_dtype="float32").as_dict()
     assert distill.DistillData(trunk_dtype="bfloat16").as_dict()["trunk_dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="trunk_dtype='float16'"):
         distill.DistillData(trunk_dtype="float16")
@@ -473,7 +473,7 @@ def test_the_method_pool_adds_class_methods_dedented_in_source_order_and_leaves_
     assert dict(both)["m"] == "def m(self):\n    y = 1\n    return y"
     request, answer = distill.code_edit_pair("m", dict(both)["m"])
     assert "def m_v2(self):" in answer
-    assert "code_pool" not in distill.DistillData().as_dict()
+    assert "code_pool" not in distill.DistillData(code_pool="functions").as_dict()
     assert distill.DistillData(code_pool="functions+methods").as_dict()["code_pool"] == "functions+methods"
     with pytest.raises(ValueError, match="code_pool='classes'"):
         distill.DistillData(code_pool="classes")
@@ -483,7 +483,7 @@ def test_answers_in_bfloat16_come_from_a_bfloat16_copy_and_the_default_set_keeps
     from dataclasses import replace
     from types import SimpleNamespace
 
-    assert "answer_dtype" not in distill.DistillData().as_dict()
+    assert "answer_dtype" not in distill.DistillData(answer_dtype="float32").as_dict()
     with pytest.raises(ValueError, match="answer_dtype='float16'"):
         distill.DistillData(answer_dtype="float16")
     seen = []

@@ -207,7 +207,7 @@ def module_claim(module: dict, rows: list[dict], *, category: str = "code_edit",
              f"block on the frozen {record['model']}, trained {spec['steps']} steps by "
              f"{'KL self-distillation' if spec['loss'] == 'kl' else 'plain next-token labels'} on "
              f"{record['distill_set']['tokens']:,} tokens in {record['train_s'] / 60:.1f} min "
-             f"(+{record['data_s'] / 60:.1f} min for the frozen model's states"
+             f"(+{record['data_s'] / 60:.1f} min to build its data: the model's answers, the frozen model's states"
              f"{', as the cached set recorded its build' if record.get('data_from_cache') else ''}; "
              f"load average {record['load_average']})."]
     batch1 = pick(rows, "batch", drafter="mtp", category=category)
