@@ -431,7 +431,7 @@ def test_a_cached_distill_set_remembers_what_building_it_cost(tmp_path, monkeypa
     assert torch.equal(again["tokens"], built["tokens"]) and torch.equal(again["top_ids"], built["top_ids"])
 
 
-def test_a_bfloat16_trunk_pass_changes_the_sets_hash_but_not_the_default_one_and_keeps_the_teacher_close(
+def test_a_bfloat16_trunk_pass_changes_the_sets_hash_but_not_a_float32_ones_and_keeps_the_teacher_close(
         tmp_path, monkeypatch):
     from types import SimpleNamespace
 
@@ -471,15 +471,14 @@ def test_the_method_pool_adds_class_methods_dedented_in_source_order_and_leaves_
     both = distill.functions_of(source, min_lines=3, max_chars=200, methods=True)
     assert [name for name, _ in both] == ["top", "m", "last"]
     assert dict(both)["m"] == "def m(self):\n    y = 1\n    return y"
-    request, answer = distill.code_edit_pair("m", dict(both)["m"])
-    assert "def m_v2(self):" in answer
+    assert "def m_v2(self):" in distill.code_edit_pair("m", dict(both)["m"])[1]
     assert "code_pool" not in distill.DistillData(code_pool="functions").as_dict()
     assert distill.DistillData(code_pool="functions+methods").as_dict()["code_pool"] == "functions+methods"
     with pytest.raises(ValueError, match="code_pool='classes'"):
         distill.DistillData(code_pool="classes")
 
 
-def test_answers_in_bfloat16_come_from_a_bfloat16_copy_and_the_default_set_keeps_its_hash(tmp_path, monkeypatch):
+def test_answers_in_bfloat16_come_from_a_bfloat16_copy_and_a_float32_set_keeps_its_hash(tmp_path, monkeypatch):
     from dataclasses import replace
     from types import SimpleNamespace
 
