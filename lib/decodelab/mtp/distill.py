@@ -363,11 +363,12 @@ def build_core_set(loaded, corpus, data: DistillData, *, cache_dir: str | Path |
                 "build_s": meta.get("build_s"), "cached": True}
     began = time.perf_counter()
     own, pairs = split_own_code(task_pairs(corpus, data), data.code_gen_prompts)
+    answers_in_half = data.answer_dtype == "bfloat16" and bool(data.chat_prompts or data.code_gen_prompts)
     half = None  # one bfloat16 copy serves both the answers and the trunk pass
-    if "bfloat16" in (data.answer_dtype, data.trunk_dtype):
+    if answers_in_half or data.trunk_dtype == "bfloat16":
         half = copy.deepcopy(loaded.hf_model).to(torch.bfloat16)
     answerer = loaded
-    if data.answer_dtype == "bfloat16" and (data.chat_prompts or data.code_gen_prompts):
+    if answers_in_half:
         from decodelab.core.transformer import Transformer
 
         answerer = replace(loaded, hf_model=half, transformer=Transformer.from_hf(half))
