@@ -3,7 +3,8 @@
 The module is trained to predict what the *target* would say one token later, so its teacher is the
 target itself (FastMTP's self-distillation). Three kinds of sequence, all from shipped text:
 
-- code editing: a function from the stdlib's *training* split (`decodelab.mtp.data` splits by file), a
+- code editing: a function (or, with `code_pool="functions+methods"`, a class's method) from the stdlib's
+  *training* split (`decodelab.mtp.data` splits by file), a
   "rename it and output the updated code" request, and the expected edited code as the answer (teacher-forced:
   one trunk prefill per block, no generation); the first `code_gen_prompts` requests are instead answered by
   the model's own greedy continuation, which is the text the module drafts on when the model edits code;
