@@ -3,12 +3,14 @@
     lib = native.load("nucleus_kernel")   # ctypes.CDLL, or None where no C compiler works here
 
 A kernel is one C file beside this module (``<name>.c``, plain C99 with no Python or torch headers, GCC and
-clang vector types at most, so a build takes about a second). It is compiled with the platform's C compiler
-(``$CC``, else Python's configured one, else ``cc``) at ``-O3`` (no ``-march``: the library may be shared
-between hosts) into a cache folder, ``$DECODELAB_NATIVE_CACHE`` or ``~/.cache/decodelab/native``, under a
-name holding the source's hash, so an edited kernel is rebuilt and a built one is reused by every later
-process. Where the build fails ``load`` warns once and returns None, and the caller keeps its pure-Python
-path (the kernels compute what that path computes; tests check the two agree).
+clang vector types or the compiler's own intrinsics at most, so a build takes about a second). It is compiled
+with the platform's C compiler (``$CC``, else Python's configured one, else ``cc``) at ``-O3`` (no ``-march``:
+the library may be shared between hosts; a kernel that needs an instruction set names it in a target attribute
+and checks the CPU at run time; one that needs more flags names them in ``EXTRA_FLAGS``) into a cache folder,
+``$DECODELAB_NATIVE_CACHE`` or ``~/.cache/decodelab/native``, under a name holding the source's and the
+flags' hash, so an edited kernel is rebuilt and a built one is reused by every later process. Where the build
+fails ``load`` warns once and returns None, and the caller keeps its other path (the kernels compute what
+that path computes, to the precision the caller states; tests check the two agree).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import warnings
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
+# linear_kernel threads with OpenMP: linked to libgomp.so.1, it shares the runtime torch has already loaded
+EXTRA_FLAGS = {"linear_kernel": ("-fopenmp",)}
 
 
 def cache_dir() -> Path:
@@ -41,7 +45,8 @@ def compiler() -> list[str] | None:
 
 def library_path(name: str) -> Path:
     source = (_HERE / f"{name}.c").read_bytes()
-    digest = hashlib.sha256(source + sys.platform.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + sys.platform.encode() + " ".join(EXTRA_FLAGS.get(name, ())).encode())
+    digest = digest.hexdigest()[:16]
     return cache_dir() / f"{name}-{digest}.so"
 
 
@@ -57,8 +62,8 @@ def build(name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        cmd = [*cc, "-O3", "-fopenmp-simd", "-std=c99", "-shared", "-fPIC", str(_HERE / f"{name}.c"),
-               "-o", str(partial), "-lm"]
+        cmd = [*cc, "-O3", "-fopenmp-simd", *EXTRA_FLAGS.get(name, ()), "-std=c99", "-shared", "-fPIC",
+               str(_HERE / f"{name}.c"), "-o", str(partial), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")

@@ -1,4 +1,5 @@
-"""Linear layers on CPU through oneDNN with weights packed once, instead of PyTorch's default path.
+"""Linear layers on CPU through weights packed once, instead of PyTorch's default path: our row-invariant
+fp32 kernel (`core.native_linear`) in fp32, oneDNN in bf16 (and in fp32 where the kernel cannot run).
 
 Why, in bf16: `F.linear` on a bf16 CPU tensor hands oneDNN the weight in PyTorch's plain (N, K) layout,
 and oneDNN reorders it into its blocked layout on every call; at decode shapes (a few rows, K = hidden
@@ -7,18 +8,17 @@ weight once (`mkldnn._reorder_linear_weight`) and calling `mkldnn._linear_pointw
 kernel (fp32 accumulation, output rounded to bf16) on the blocked copy: the outputs are bit-identical to
 `F.linear` (tested), so greedy tokens still equal transformers' own bf16 forward.
 
-Why, in fp32: there `F.linear` goes to the BLAS (MKL), whose decode-shape paths are slow on this CPU
-(measured quiet, x (M, 576) times the (49152, 576) LM head: MKL 10.4 / 17.8 / 23.0 / 50.2 ms at
-M = 1 / 4 / 16 / 64, the packed oneDNN call 5.2 / 4.8 / 8.1 / 20.2 ms; the decoder layers' matrices gain
-1.2-2x at M = 2-200). The packed fp32 product is not bit-identical to MKL's (another summation order, errors
-of the same fp32 size), so fp32 greedy equality with transformers is checked end to end (tests), not
-inherited. A row's result does not depend on how many rows share the call for K = 576 (checked at
-M = 1..200), which MKL's does. The gain depends on the CPU: the figures above are an AMD EPYC host; on an
-Intel Xeon host (issue 15, later session) MKL's M = 1 path is the faster one (decode step at batch 1:
-packed 64 ms, MKL 55 ms; batch 4 and 16: packed 52 / 69 ms, MKL 63 / 77 ms; batch 64 equal), mostly
-oneDNN's per-call overhead (~0.02 ms more per small linear, 7 per layer). Packing stays on for every
-batch: mixing the two paths by batch size would make a row's logits depend on its batch and break
-the token-for-token equality of speculative and plain greedy decoding.
+Why, in fp32: there `F.linear` goes to the BLAS (MKL), whose summation order changes with the number of
+rows (M = 1 differs from M = 2..15 at K = 576), so a row's logits would depend on how many rows share the
+step and speculative greedy decoding would drift from plain. Packed oneDNN is row-invariant but pays a fixed
+cost per call that a decode step's ~120 small products feel: on the Intel Xeon host (issue 15), decode at
+batch 1 took 38.5 ms a step packed, 32.9 ms with MKL, 35.2 ms in transformers. Our kernel sums every
+output in k order whatever M is (row-invariant by construction, tested) and streams the weights as fast as
+MKL at M = 1 (34.0 ms a step; batch 4 / 16 / 64: 43 / 70 / 190 ms against oneDNN's 50 / 78 / 191, quiet,
+32 tokens with prefill). Its products are not bit-identical to MKL's (another summation order, errors of
+the same fp32 size), so fp32 greedy equality with transformers is checked end to end (tests), not inherited.
+Packing stays on for every batch: mixing paths by batch size would make a row's logits depend on its
+batch and break the token-for-token equality of speculative and plain greedy decoding.
 
 A packed copy is derived data: it is rebuilt when the weight tensor changed (its version counter or its
 storage), so in-place updates (training, `_identity_init`) are never served stale. Gradients never flow
@@ -27,6 +27,8 @@ through the packed path (it is only used under no_grad). The copy doubles the re
 from __future__ import annotations
 
 import torch
+
+from decodelab.core import native_linear
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -66,13 +68,13 @@ class PackedLinears:
 
     def group(self, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (..., K) -> (module(x) for each module): one oneDNN call on their weights packed side by side
-        (q/k/v, gate/up), where each separate call would pay oneDNN's fixed cost (~20 us here, as much as
-        a 576 x 576 bf16 product) again. Each output column is the same dot product over K either way:
+        (q/k/v, gate/up), where each separate call would pay the fixed cost of a call again (oneDNN's ~20 us
+        here, as much as a 576 x 576 bf16 product). Each output column is the same dot product over K either way:
         the results equal the separate calls bit for bit (tested); they are views into one output."""
         entry = self._entry(modules, x)
         if entry is None:
             return tuple(m(x) for m in modules)
-        out = torch.ops.mkldnn._linear_pointwise(x, entry[2], entry[3], "none", [], "")
+        out = _product(entry, x)
         return out.split([m.out_features for m in modules], dim=-1) if len(modules) > 1 else (out,)
 
     def fused(self, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +84,7 @@ class PackedLinears:
         if entry is None:
             outs = [m(x) for m in modules]
             return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
-        return torch.ops.mkldnn._linear_pointwise(x, entry[2], entry[3], "none", [], "")
+        return _product(entry, x)
 
     def _entry(self, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple | None:
         """The packed entry for these modules and x, (re)packed when missing or stale; None where the packed
@@ -102,9 +104,19 @@ class PackedLinears:
         if any(m.bias is not None for m in modules):  # a missing bias adds zeros: the same numbers
             bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
                               for m in modules])
-        entry = (weight.dtype, _stamps(modules), torch.ops.mkldnn._reorder_linear_weight(weight), bias)
+        packed = native_linear.pack(weight) if weight.dtype == torch.float32 else None
+        if packed is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        entry = (weight.dtype, _stamps(modules), packed, bias)
         self._packed[modules] = entry
         return entry
+
+
+def _product(entry: tuple, x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) times an entry's packed weight (+ its bias): the fp32 kernel's panels or oneDNN's blocks."""
+    if isinstance(entry[2], native_linear.PackedWeight):
+        return native_linear.linear(x, entry[2], entry[3])
+    return torch.ops.mkldnn._linear_pointwise(x, entry[2], entry[3], "none", [], "")
 
 
 def _stamps(modules: tuple[torch.nn.Linear, ...]) -> tuple:
