@@ -336,3 +336,43 @@ def test_processed_logits_equal_the_reference_on_flat_and_peaked_rows_mixed_per_
     sampler = Sampler(rows)
     x = lm_like(4, len(rows), temperatures=(1.0,))
     assert torch.equal(sampler.process(x), ref_run(sampler, x)[0])
+
+
+def test_argmax_rows_is_numpys_first_maximum_with_nans_ties_and_signed_zeros():
+    from decodelab.core.draw import argmax_rows
+
+    g = torch.Generator().manual_seed(11)
+    for shape in ((64, 49152), (1, 49152), (3, 7), (2, 1), (4, 33), (3, 16), (3, 32)):
+        x = torch.randn(*shape, generator=g)
+        assert torch.equal(argmax_rows(x), torch.from_numpy(np.argmax(x.numpy(), axis=-1)))
+    x = torch.randn(8, 100, generator=g)
+    x[1, 50] = x[1, 70] = float("nan")  # the first NaN
+    x[2, :] = NEG_INF  # all -inf: id 0
+    x[3, 10] = x[3, 20] = 1e9  # a tie: the first
+    x[4, :] = 0.0
+    x[4, 5] = -0.0  # -0.0 == 0.0: the first of them
+    x[5, 99] = float("inf")  # in the scalar tail
+    x[6, 0] = float("nan")
+    x[7, 97] = float("nan")  # a NaN in the tail only
+    assert argmax_rows(x).tolist() == np.argmax(x.numpy(), axis=-1).tolist() == torch.argmax(x, -1).tolist()
+    assert argmax_rows(x).tolist() == [int(torch.argmax(x[0])), 50, 0, 10, 0, 99, 0, 97]
+
+
+def test_a_sampled_batch_is_the_same_tokens_whatever_the_thread_count():
+    """The C kernels share rows among threads; each row's draw is its own, so one thread or two give the same
+    tokens (a mixed grid: top-p, min-p, plain rows and a greedy one)."""
+    configs = [SamplerConfig(temperature=t, top_p=p, min_p=mp) for t in (0.7, 1.5) for p, mp in
+               ((0.9, 0.0), (1.0, 0.1), (1.0, 0.0))] + [SamplerConfig(temperature=0.0)]
+    logits = torch.randn(len(configs) * 4, 5000, generator=torch.Generator().manual_seed(12)) * 4
+    sampler = Sampler(configs * 4)
+
+    def draw():
+        return sampler.sample(logits, [torch.Generator().manual_seed(r) for r in range(logits.shape[0])])
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = draw()
+    finally:
+        torch.set_num_threads(threads)
+    assert threads > 1 and torch.equal(one, draw())

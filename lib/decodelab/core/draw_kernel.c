@@ -8,12 +8,13 @@
    Two levels: float32 sums of CHUNK consecutive weights (vectorized), their running sum in float64 finds
    the chunk, a float64 running sum inside it finds the id. Each level is clamped to its last entry that
    adds weight (where rounding leaves the target at or past its end), so a picked id always has w_i > 0
-   and x_i >= c. The weights are only read. Build: cc -O3 -shared -fPIC (decodelab.core.native). */
+   and x_i >= c. The weights are only read. Build: cc -O3 -fopenmp -shared -fPIC (decodelab.core.native). */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
+#include <immintrin.h>
 
 #define CHUNK 256
 #define BLOCK 64 /* the sparse pass tests a block at once and visits only blocks with kept ids */
@@ -83,14 +84,22 @@ static int64_t draw_row(const float *x, const float *w, int64_t V, float cut, in
    head (B,), u (B,); rows (R,) indices into x -> tokens (R,). Returns 0, or -1 without scratch memory. */
 int dense_draw_rows(const float *x, const float *const *w_rows, const float *cut, const int64_t *head,
                     const double *u, const int64_t *rows, int64_t n_rows, int64_t V, int64_t *tokens) {
-    double *cum = malloc((size_t)((V + CHUNK - 1) / CHUNK) * sizeof(double));
-    if (!cum) return -1;
-    for (int64_t j = 0; j < n_rows; j++) {
-        int64_t r = rows[j];
-        tokens[j] = draw_row(x + r * V, w_rows[j], V, cut ? cut[r] : -INFINITY, head[r], u[r], cum);
+    int status = 0;
+#pragma omp parallel if (n_rows > 1)
+    {
+        double *cum = malloc((size_t)((V + CHUNK - 1) / CHUNK) * sizeof(double));
+        if (!cum) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < n_rows; j++) {
+            int64_t r = rows[j];
+            if (cum) tokens[j] = draw_row(x + r * V, w_rows[j], V, cut ? cut[r] : -INFINITY, head[r], u[r], cum);
+        }
+        free(cum);
     }
-    free(cum);
-    return 0;
+    return status;
 }
 
 static int64_t count_row(const float *x, int64_t V, float cut) {
@@ -140,18 +149,59 @@ static int64_t sparse_row(const float *x, int64_t V, float cut, int64_t head, do
    without scratch memory. */
 int sparse_draw_rows(const float *x, const float *cut, const int64_t *head, const double *u, const int64_t *rows,
                      int64_t n_rows, int64_t V, int64_t max_kept, int64_t *tokens) {
-    int64_t *ids = malloc((size_t)(max_kept + 1) * sizeof(int64_t));
-    double *w = malloc((size_t)(max_kept + 1) * sizeof(double));
-    if (!ids || !w) {
+    int status = 0;
+#pragma omp parallel if (n_rows > 1)
+    {
+        int64_t *ids = malloc((size_t)(max_kept + 1) * sizeof(int64_t));
+        double *w = malloc((size_t)(max_kept + 1) * sizeof(double));
+        if (!ids || !w) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < n_rows; j++) {
+            int64_t r = rows[j];
+            if (ids && w) tokens[j] = sparse_row(x + r * V, V, cut[r], head[r], u[r], max_kept, ids, w);
+        }
         free(ids);
         free(w);
-        return -1;
     }
-    for (int64_t j = 0; j < n_rows; j++) {
-        int64_t r = rows[j];
-        tokens[j] = sparse_row(x + r * V, V, cut[r], head[r], u[r], max_kept, ids, w);
+    return status;
+}
+
+/* x (B, V) row-major -> head (B,): each row's first maximal id, as numpy's and torch's argmax (a NaN counts
+   as the maximum: the first NaN). Two passes per row, 16 ids at a time: the max (NaNs noted aside), then
+   the first id holding it; rows shared among OpenMP threads. AVX-512F through a target attribute: returns
+   -1 on a CPU without it (the caller keeps numpy's argmax), else 0. */
+__attribute__((target("avx512f"))) static int64_t row_argmax(const float *x, int64_t V) {
+    __m512 best = _mm512_set1_ps(x[0]);
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i + 16 <= V; i += 16) {
+        __m512 xv = _mm512_loadu_ps(x + i);
+        best = _mm512_max_ps(xv, best);  /* a NaN in xv yields best: kept out of the max */
+        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
     }
-    free(ids);
-    free(w);
+    float m = _mm512_reduce_max_ps(best);
+    for (int64_t j = i; j < V; j++) {
+        m = x[j] > m ? x[j] : m;
+        nan |= x[j] != x[j];
+    }
+    __m512 target = _mm512_set1_ps(m);
+    for (i = 0; i + 16 <= V; i += 16) {
+        __m512 xv = _mm512_loadu_ps(x + i);
+        __mmask16 hit = nan ? _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(xv, target, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    for (; i < V; i++)
+        if (nan ? x[i] != x[i] : x[i] == m) return i;
+    return 0;  /* not reached: some id holds the max */
+}
+
+int argmax_rows(const float *x, int64_t B, int64_t V, int64_t *head) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f")) return -1;
+#pragma omp parallel for if (B > 1) schedule(static)
+    for (int64_t r = 0; r < B; r++) head[r] = row_argmax(x + r * V, V);
     return 0;
 }

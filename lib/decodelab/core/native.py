@@ -29,8 +29,9 @@ import warnings
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-# linear_kernel threads with OpenMP: linked to libgomp.so.1, it shares the runtime torch has already loaded
-EXTRA_FLAGS = {"linear_kernel": ("-fopenmp",)}
+# these kernels share their rows among OpenMP threads: linked to libgomp.so.1, they use the runtime torch has
+# already loaded (one thread pool, torch.set_num_threads applies)
+EXTRA_FLAGS = {name: ("-fopenmp",) for name in ("linear_kernel", "nucleus_kernel", "draw_kernel")}
 
 
 def cache_dir() -> Path:

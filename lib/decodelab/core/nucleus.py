@@ -148,10 +148,10 @@ def row_weights(x: torch.Tensor, rows: np.ndarray | None = None, out: str | None
     """(B, V) float32 CPU -> RowWeights: every row's max and argmax, and exp(x - max) for `rows` (all
     when None).
     out: a ``draw.scratch`` buffer name to write the weights into (values that stay inside one call)."""
-    from decodelab.core.draw import scratch
+    from decodelab.core.draw import argmax_rows, scratch
 
     xn = x.detach().contiguous().numpy()
-    head = np.argmax(xn, axis=-1).astype(np.int64).reshape(-1, 1)  # the draw's head too: one pass for both
+    head = argmax_rows(x).numpy().reshape(-1, 1)  # the draw's head too: one pass for both
     m = torch.from_numpy(np.take_along_axis(xn, head, axis=-1))
     rows = np.arange(x.shape[0], dtype=np.int64) if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
     index = torch.from_numpy(rows)

@@ -11,7 +11,7 @@
    the buckets over it); a second pass gathers that bucket's values, sorted descending, and the K-th
    is among them. A row is `clear` when s_{K-1} and s_K lie more than band (1 - P) Z from P Z, where the
    float32 reference (a full sort, softmax and cumulative sum) decides alike; the caller takes the
-   reference for the other rows. Build: cc -O3 -shared -fPIC (decodelab.core.native). */
+   reference for the other rows. Build: cc -O3 -fopenmp -shared -fPIC (decodelab.core.native). */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -132,24 +132,29 @@ static int row_threshold(const float *x, const float *w, int64_t V, double big_p
 }
 
 /* rows (R,) indices into the (B, V) row-major x; w_rows (R,) the address of each listed row's V weights;
-   m (B,) row max; big_p (B,) -> threshold (R,), clear (R,). Returns 0, or -1 when scratch memory could not
-   be had (every row then not clear). */
+   m (B,) row max; big_p (B,) -> threshold (R,), clear (R,). Rows are shared among OpenMP threads (each row's
+   result is its own: the same whatever the thread count), each thread with its own scratch. Returns 0, or -1
+   when scratch memory could not be had (that thread's rows then not clear). */
 int top_p_rows(const float *x, const float *const *w_rows, const float *m, const double *big_p, const int64_t *rows,
                int64_t n_rows, int64_t V, double band, float *threshold, uint8_t *clear) {
-    double *mass = malloc(HISTOGRAMS * N_BUCKETS * sizeof(double));
-    entry *picked = malloc((size_t)V * sizeof(entry));
-    if (!mass || !picked) {
+    int status = 0;
+#pragma omp parallel if (n_rows > 1)
+    {
+        double *mass = malloc(HISTOGRAMS * N_BUCKETS * sizeof(double));
+        entry *picked = malloc((size_t)V * sizeof(entry));
+        if (!mass || !picked) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < n_rows; j++) {
+            int64_t r = rows[j];
+            clear[j] = mass && picked ? (uint8_t)row_threshold(x + r * V, w_rows[j], V, big_p[r], band, m[r], mass,
+                                                                picked, &threshold[j])
+                                      : 0;
+        }
         free(mass);
         free(picked);
-        memset(clear, 0, (size_t)n_rows);
-        return -1;
     }
-    for (int64_t j = 0; j < n_rows; j++) {
-        int64_t r = rows[j];
-        clear[j] = (uint8_t)row_threshold(x + r * V, w_rows[j], V, big_p[r], band, m[r], mass, picked,
-                                          &threshold[j]);
-    }
-    free(mass);
-    free(picked);
-    return 0;
+    return status;
 }
