@@ -1,6 +1,6 @@
-"""fp32 linear layers through packed oneDNN weights (`core.packed_linear`): the modules' products to fp32
-rounding, rebuilt on weight changes, the modules' own forward under autograd, and greedy decoding unchanged
-against transformers and against the unpacked engine."""
+"""fp32 linear layers through packed weights (`core.packed_linear`: our row-invariant kernel, else oneDNN): the
+modules' products to fp32 rounding, rebuilt on weight changes, the modules' own forward under autograd, and
+greedy decoding unchanged against transformers and against the unpacked engine."""
 
 import torch
 
@@ -31,7 +31,7 @@ def test_packed_products_equal_the_modules_and_follow_in_place_weight_updates():
 
 
 def test_a_group_of_linears_in_one_call_equals_each_packed_call_bit_for_bit_and_follows_updates():
-    """q/k/v and gate/up run as one oneDNN product on their weights side by side: every output column is
+    """q/k/v and gate/up run as one product on their weights side by side: every output column is
     the same dot product, so the split results equal the separate packed calls exactly, at any batch, in
     fp32 and bf16, with biases on some modules only (a missing bias adds zeros)."""
     g = torch.Generator().manual_seed(1)

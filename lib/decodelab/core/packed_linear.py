@@ -67,7 +67,7 @@ class PackedLinears:
         return self.group((module,), x)[0]
 
     def group(self, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x (..., K) -> (module(x) for each module): one oneDNN call on their weights packed side by side
+        """x (..., K) -> (module(x) for each module): one product on their weights packed side by side
         (q/k/v, gate/up), where each separate call would pay the fixed cost of a call again (oneDNN's ~20 us
         here, as much as a 576 x 576 bf16 product). Each output column is the same dot product over K either way:
         the results equal the separate calls bit for bit (tested); they are views into one output."""
