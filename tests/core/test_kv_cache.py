@@ -36,35 +36,69 @@ def test_bias_is_none_only_when_every_key_is_visible(tiny):
     assert ragged.begin_forward(ragged.positions(1), group=2).attention_bias(2, torch.float32) is not None
 
 
-def test_sink_window_visibility_by_hand():
-    slots = torch.tensor([[9, 10], [2, 3]])
-    read = kv.sink_window_gather(slots, sink=2, window=3)
-    assert read.tolist() == [[0, 1, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5]]
-    visible = kv.sink_window_visible(read, slots, sink=2, window=3)
-    seen = [[read[b][visible[b, t]].tolist() for t in range(2)] for b in range(2)]
-    assert seen == [[[0, 1, 7, 8, 9], [0, 1, 8, 9, 10]], [[0, 1, 2], [0, 1, 2, 3]]]
-
-
-@pytest.mark.parametrize("sink,window", [(1, 2), (2, 4), (0, 3), (4, 64)])
-def test_sparse_plan_equals_dense_attention_with_the_same_visibility(sink, window):
-    gen = torch.Generator().manual_seed(sink * 10 + window)
-    B, H, K, D, S, T = 3, 4, 2, 8, 40, 3
-    cache = kv.SinkWindowKVCache(1, B, K, D, S, dtype=torch.float32, device=torch.device("cpu"), sink=sink,
-                                 window=window)
+def _random_cache(lengths, *, K=2, D=8, S=60, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cache = kv.KVCache(1, len(lengths), K, D, S, dtype=torch.float32, device=torch.device("cpu"))
     cache.keys.normal_(generator=gen)
     cache.values.normal_(generator=gen)
-    cache.advance(torch.tensor([20, 7, 2]))
-    q, k_new, v_new = (torch.randn(B, n, T, D, generator=gen) for n in (H, K, K))
-    plan = cache.begin_forward(cache.positions(T), group=H // K)
-    out = cache.attend(0, q, k_new, v_new, plan)
-    span = int(cache.positions(T).max()) + 1
-    dense = torch.zeros(B, T, span, dtype=torch.bool)
-    for b in range(B):
-        for t in range(T):
-            pos = int(cache.positions(T)[b, t])
-            dense[b, t] = torch.tensor([j <= pos and (j < sink or pos - j < window) for j in range(span)])
-    ref = kv.grouped_attention(q, cache.keys[0][:, :, :span], cache.values[0][:, :, :span], dense)
-    assert torch.allclose(out, ref, atol=1e-6)
+    cache.advance(torch.tensor(lengths))
+    return cache
+
+
+def test_sink_window_ring_by_hand():
+    ring = kv.SinkWindowKVCache.from_cache(_random_cache([9, 3]), sink=2, window=3, spare=2)
+    # ring of window + spare = 5 slots after the 2 sink slots: position p >= 2 lives at slot 2 + (p - 2) % 5
+    assert ring.stored.tolist() == [[0, 1, 7, 8, 4, 5, 6], [0, 1, 2, -1, -1, -1, -1]]
+    plan = ring.begin_forward(ring.positions(2))
+    assert plan.slots.tolist() == [[4, 5], [3, 4]]
+    assert ring.stored.tolist() == [[0, 1, 7, 8, 9, 10, 6], [0, 1, 2, 3, 4, -1, -1]]
+    seen = [[sorted(ring.stored[b][plan.visible[b, t]].tolist()) for t in range(2)] for b in range(2)]
+    assert seen == [[[0, 1, 7, 8, 9], [0, 1, 8, 9, 10]], [[0, 1, 2, 3], [0, 1, 2, 3, 4]]]
+
+
+@pytest.mark.parametrize("sink,window,spare", [(1, 2, 3), (2, 4, 4), (0, 3, 5), (4, 64, 8)])
+def test_sink_window_ring_attends_like_dense_attention_through_forwards_and_rollbacks(sink, window, spare):
+    """The ring's output equals dense attention over a full cache with the sink + window visibility, step after
+    step, with ragged rows, multi-token forwards and rollbacks up to what `spare` allows."""
+    gen = torch.Generator().manual_seed(sink * 100 + window * 10 + spare)
+    H, K, D = 4, 2, 8
+    full = _random_cache([20, 7, 2], K=K, D=D, S=120, seed=spare)
+    ring = kv.SinkWindowKVCache.from_cache(full, sink=sink, window=window, spare=spare)
+    rows = torch.arange(3)[:, None]
+    for _ in range(12):
+        T = int(torch.randint(1, min(3, spare) + 1, (1,), generator=gen))
+        T = min(T, ring.room())
+        positions = ring.positions(T)
+        assert torch.equal(positions, full.positions(T))
+        q, k_new, v_new = (torch.randn(3, n, T, D, generator=gen) for n in (H, K, K))
+        out = ring.attend(0, q, k_new, v_new, ring.begin_forward(positions, group=H // K))
+        full.keys[0][rows, :, positions] = k_new.transpose(1, 2)
+        full.values[0][rows, :, positions] = v_new.transpose(1, 2)
+        span = int(positions.max()) + 1
+        j, p = torch.arange(span)[None, None, :], positions[:, :, None]
+        visible = (j <= p) & ((j < sink) | (p - j < window))
+        ref = kv.grouped_attention(q, full.keys[0][:, :, :span], full.values[0][:, :, :span], visible)
+        assert torch.allclose(out, ref, atol=1e-6)
+        for cache in (ring, full):
+            cache.advance(torch.full((3,), T))
+        back = torch.randint(0, T + 1, (3,), generator=gen)  # reject up to this forward's tokens
+        ring.truncate(ring.lengths - back)
+        full.truncate(full.lengths - back)
+
+
+def test_sink_window_ring_refuses_to_run_past_its_spare():
+    ring = kv.SinkWindowKVCache.from_cache(_random_cache([9, 3]), sink=2, window=3, spare=2)
+    assert ring.room() == 2
+    with pytest.raises(ValueError, match="keeps 2 positions past each row's length; this forward .* reaches 3"):
+        ring.begin_forward(ring.positions(3))
+    for _ in range(2):
+        ring.begin_forward(ring.positions(2))
+        ring.advance(torch.tensor([2, 2]))
+    ring.truncate(ring.lengths - 3)  # further back than the spare allows: the ring may have lost a visible position
+    with pytest.raises(ValueError, match="reaches 3"):
+        ring.begin_forward(ring.positions(1))
+    with pytest.raises(ValueError, match="spare=0 must be an int >= 1"):
+        kv.SinkWindowKVCache(1, 1, 1, 4, 16, sink=1, window=2, spare=0, dtype=torch.float32, device="cpu")
 
 
 def test_sink_window_bad_input_names_the_parameter():

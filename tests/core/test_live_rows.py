@@ -7,7 +7,7 @@ from decodelab.core import engine
 from decodelab.core.models import tiny_model
 from decodelab.core.transformer import Transformer
 from decodelab.speculation import decode as speculative
-from decodelab.speculation.drafters import NGramDrafter
+from decodelab.speculation.drafters import LayerSkipDrafter, NGramDrafter
 
 
 def _batch(seed=0, rows=6, length=9):
@@ -16,10 +16,11 @@ def _batch(seed=0, rows=6, length=9):
 
 
 @pytest.mark.parametrize("n_tokens", [1, 3])
-def test_live_rows_logits_and_cache_equal_the_whole_batch_forward(tiny, n_tokens):
+@pytest.mark.parametrize("live", [[1, 4], [0, 1, 2, 4, 5]])  # single rows; runs of consecutive rows
+def test_live_rows_logits_and_cache_equal_the_whole_batch_forward(tiny, n_tokens, live):
     tr = tiny.transformer
     prompts = _batch()
-    rows = torch.tensor([1, 4])
+    rows = torch.tensor(live)
     caches, outs = [], []
     for use_rows in (None, rows):
         cache, _ = engine.prefill(tr, prompts, max_new_tokens=8)
@@ -70,3 +71,18 @@ def test_greedy_decodes_with_rows_that_finish_early_equal_each_row_alone(tiny, m
     spec = speculative.generate(tiny, prompts, NGramDrafter(), k=3, max_new_tokens=10, eos_token_ids=eos)
     assert plain.tokens == solo and spec.tokens == solo and sum(map(len, solo)) < 40
     assert any(r is not None for r in seen)  # some steps ran the linear layers on the live rows only
+
+
+def test_a_model_drafter_skips_finished_rows_and_stays_exact(tiny, monkeypatch):
+    prompts = _batch(rows=4)
+    free = engine.generate(tiny, prompts, max_new_tokens=10, eos_token_ids=[])
+    eos = [free.tokens[0][1], free.tokens[1][2], free.tokens[2][3]]
+    solo = [engine.generate(tiny, [p], max_new_tokens=10, eos_token_ids=eos).tokens[0] for p in prompts]
+    drafter = LayerSkipDrafter(tiny, [0, 1, 3])
+    calls = []
+    logits = drafter._logits
+    monkeypatch.setattr(drafter, "_logits", lambda *a, **kw: calls.append(kw.get("rows", a[2] if len(a) > 2 else None))
+                        or logits(*a, **kw))
+    spec = speculative.generate(tiny, prompts, drafter, k=3, max_new_tokens=10, eos_token_ids=eos)
+    assert spec.tokens == solo
+    assert any(r is not None for r in calls) and any(r is None for r in calls)  # drafted for live rows only at the end

@@ -53,6 +53,20 @@ def test_a_capped_drafter_runs_only_up_to_its_batch(standin):
     assert all(r["matches_plain"] for r in rows)
 
 
+def test_a_bf16_sparse_draft_of_an_fp32_target_stays_exact(standin):
+    taus = {}
+    for dtype in (None, "bfloat16"):
+        rows = lc.long_context_sweep(standin, contexts=[48], batches=[1, 3], drafters=["sparse_kv"], k=2,
+                                     max_new_tokens=6, repeats=1, sink=2, window=40, sparse_dtype=dtype)
+        assert [r["matches_plain"] for r in rows] == [True, True]
+        taus[dtype] = [r["tau"] for r in rows]
+    assert min(taus[None]) > 1.0 and min(taus["bfloat16"]) > 1.0  # the rounded copy drafts the target's tokens too
+    assert lc.bytes_per_param("bfloat16") == 2.0 and lc.bytes_per_param(None) is None
+    with pytest.raises(ValueError, match="float8"):
+        lc.long_context_sweep(standin, contexts=[48], batches=[1], drafters=["sparse_kv"], k=2, max_new_tokens=4,
+                              repeats=1, sink=2, window=8, sparse_dtype="float8")
+
+
 def test_shared_prefill_decodes_like_a_plain_prefill(tiny):
     prompts = _workload(40, 3).prompts
     pre = lc.shared_prefill(tiny, prompts, max_new_tokens=8, max_k=3)

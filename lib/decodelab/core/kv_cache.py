@@ -24,8 +24,6 @@ class ForwardPlan:
 
     positions (B, T): RoPE positions of the new tokens; slots (B, T): where their keys/values are written;
     span: key positions [0, span) the layers read; visible (B, T, S=span) bool: query t of row b sees key j.
-    gather (B, S) long or None: a sparse plan reads, per row, only the cache positions gather[b] (key j of
-    `visible` is then cache position gather[b, j]); None reads positions [0, span).
     The grouped-query mask (B, 1, G*T, S) is built once per group size G and then reused by every layer.
     rows (n,) long or None: only these rows' attention outputs are wanted (finished rows riding along:
     `Transformer.hidden_states(rows=)`); a plain KVCache then reads only their keys and values.
@@ -35,7 +33,6 @@ class ForwardPlan:
     slots: torch.Tensor
     span: int
     visible: torch.Tensor
-    gather: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     _grouped: dict = field(default_factory=dict, repr=False)
 
@@ -44,6 +41,18 @@ class ForwardPlan:
         if group not in self._grouped:
             self._grouped[group] = grouped_mask(self.visible, group)
         return self._grouped[group]
+
+    def row_runs(self) -> list[tuple[int, int]]:
+        """`rows` as maximal runs of consecutive rows [(start, stop), ...], built once per forward."""
+        if "runs" not in self._grouped:
+            runs = []
+            for r in sorted(self.rows.tolist()):
+                if runs and runs[-1][1] == r:
+                    runs[-1][1] = r + 1
+                else:
+                    runs.append([r, r + 1])
+            self._grouped["runs"] = [tuple(run) for run in runs]
+        return self._grouped["runs"]
 
     def attention_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
         """(B, 1, G*T, S) additive mask (0 where visible, -inf where not) in the queries' dtype, or None when
@@ -151,6 +160,10 @@ class KVCache:
         out._rows = torch.arange(len(rows), device=rows.device)
         return out
 
+    def room(self) -> int:
+        """How many tokens per row the next forward may write: the free positions of the longest row."""
+        return self.max_len - int(self.lengths.max())
+
     def positions(self, n_tokens: int) -> torch.Tensor:
         """Cache positions of the next `n_tokens` tokens of each row: (B, T)."""
         return self.lengths[:, None] + torch.arange(n_tokens, device=self.lengths.device)
@@ -177,13 +190,16 @@ class KVCache:
         keys[rows, :, plan.slots] = k_new.transpose(1, 2)
         values[rows, :, plan.slots] = v_new.transpose(1, 2)
         span = plan.span
-        if plan.rows is not None:  # only the live rows' outputs are wanted: read only their keys and values
-            live = plan.rows
+        if plan.rows is not None:
+            # only the live rows' outputs are wanted: read only their keys and values, run by run of consecutive
+            # rows through views (copying them out would write as many bytes as it reads: at long context the
+            # first step after a row finishes would cost twice the KV read)
             bias = plan.attention_bias(q.shape[1] // keys.shape[1], q.dtype)
-            out = grouped_attention_masked(q.index_select(0, live), keys[:, :, :span].index_select(0, live),
-                                           values[:, :, :span].index_select(0, live),
-                                           None if bias is None else bias.index_select(0, live))
-            return q.new_zeros(q.shape).index_copy_(0, live, out)
+            out = q.new_zeros(q.shape)
+            for a, b in plan.row_runs():
+                out[a:b] = grouped_attention_masked(q[a:b], keys[a:b, :, :span], values[a:b, :, :span],
+                                                    None if bias is None else bias[a:b])
+            return out
         if q.shape[0] == 1 and q.shape[2] == 1 and q.dtype in (torch.bfloat16, torch.float16):
             # Batch-1 decode sees every key of its span. In half precision SDPA rounds the unfolded (1, H, 1, D)
             # call differently from the folded (1, K, G, D) one; the unfolded call is transformers', so greedy
@@ -240,70 +256,99 @@ def check_sink_window(sink: int, window: int, context: int | None = None) -> Non
                          f"({context} tokens, the shortest prompt): allowed sink + window <= {context}")
 
 
-def sink_window_gather(slots: torch.Tensor, sink: int, window: int) -> torch.Tensor:
-    """The cache positions a sink + window forward reads: (B, T) slots -> (B, N) long, N = sink + window + T - 1.
-
-    Row b reads the sink [0, sink) and then the window+T-1 positions ending at its last slot (starting no
-    earlier than `sink`, so the two parts never overlap). In a row shorter than sink + window some positions lie
-    past its last slot: `sink_window_visible` hides them (clamp them into the cache before gathering)."""
-    n_new = slots.shape[1]
-    start = torch.clamp(slots[:, :1] - window + 1, min=sink)  # (B, 1)
-    recent = start + torch.arange(window + n_new - 1, device=slots.device)
-    sinks = torch.arange(sink, device=slots.device).expand(slots.shape[0], sink)
-    return torch.cat([sinks, recent], dim=1)
-
-
-def sink_window_visible(gather: torch.Tensor, slots: torch.Tensor, sink: int, window: int) -> torch.Tensor:
-    """(B, N) gathered positions, (B, T) slots -> (B, T, N) bool: query t of row b sees gathered key c iff its
-    position j <= slots[b, t] and (j < sink, or j is among the `window` latest positions: slots[b, t] - j < window).
-    (StreamingLLM's attention sinks + sliding window, Xiao et al. 2024.)"""
-    j, s = gather[:, None, :], slots[:, :, None]
-    return (j <= s) & ((j < sink) | (s - j < window))
-
-
 class SinkWindowKVCache(KVCache):
-    """A per-row KV cache whose forwards attend only to the sink + window positions of each row (a sparse
-    visibility plan): every position is stored (rollback is still `truncate`), but a forward gathers and reads
-    only N = sink + window + T - 1 positions per row, so its attention cost does not grow with the context.
+    """A per-row KV cache that stores only what a sink + window forward reads (StreamingLLM's attention sinks +
+    sliding window, Xiao et al. 2024): positions [0, sink) and a ring of the latest window + spare positions.
+    A forward's attention reads those C = sink + window + spare stored entries per row, contiguous (no gather),
+    however long the context. Query at position q sees a stored position j iff j <= q and (j < sink or
+    q - j < window).
 
-    `sparse = False` makes it an ordinary causal cache (used to prefill the exact full-attention KV)."""
+    `lengths` stay logical (a row's token count, its next RoPE position) and `max_len` is the logical limit.
+    Rollback is `truncate`, as in KVCache, while no row's furthest written position runs more than `spare` past
+    its length: then the ring has overwritten nothing a later query can see (each forward checks: ValueError).
+    stored (B, C) long: the position each slot holds (-1: none)."""
 
-    def __init__(self, *args, sink: int, window: int, **kwargs):
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, *, sink: int,
+                 window: int, spare: int = 32, dtype: torch.dtype, device: torch.device):
         check_sink_window(sink, window)
-        super().__init__(*args, **kwargs)
-        self.sink, self.window, self.sparse = sink, window, True
+        if not isinstance(spare, int) or isinstance(spare, bool) or spare < 1:
+            raise ValueError(f"spare={spare!r} must be an int >= 1")
+        super().__init__(n_layers, batch_size, n_kv_heads, head_dim, sink + window + spare, dtype=dtype,
+                         device=device)
+        self.sink, self.window, self.spare, self._max_len = sink, window, spare, max_len
+        self.stored = torch.full((batch_size, sink + window + spare), -1, dtype=torch.long, device=device)
+        self.written = torch.zeros(batch_size, dtype=torch.long, device=device)  # one past each row's furthest write
 
     @classmethod
-    def adopt(cls, cache: KVCache, *, sink: int, window: int) -> "SinkWindowKVCache":
-        """Wrap an existing cache's tensors (no copy) as a sink + window cache."""
-        check_sink_window(sink, window)
-        out = cls.__new__(cls)
-        out.keys, out.values, out.lengths, out._rows = cache.keys, cache.values, cache.lengths, cache._rows
-        out.sink, out.window, out.sparse = sink, window, True
+    def from_cache(cls, cache: KVCache, *, sink: int, window: int, spare: int = 32, max_len: int | None = None,
+                   layers=None, dtype: torch.dtype | None = None) -> "SinkWindowKVCache":
+        """The sink and the latest window + spare positions of each row of a full `cache` (of its `layers`;
+        None: all), copied (cast to `dtype`; None: the cache's); max_len: the logical limit (None: cache's)."""
+        layers = slice(None) if layers is None else torch.as_tensor(list(layers), dtype=torch.long)
+        keys, values = cache.keys[layers], cache.values[layers]
+        n_layers, batch, n_kv, _, head_dim = keys.shape
+        out = cls(n_layers, batch, n_kv, head_dim, max_len or cache.max_len, sink=sink, window=window, spare=spare,
+                  dtype=dtype or keys.dtype, device=keys.device)
+        lengths = cache.lengths.clone()
+        held = out.held_positions(lengths)  # (B, C)
+        source, rows = held.clamp(min=0), out._rows[:, None]
+        out.keys.copy_(keys[:, rows, :, source].permute(2, 0, 3, 1, 4))  # (B, C, L, K, D) -> (L, B, K, C, D)
+        out.values.copy_(values[:, rows, :, source].permute(2, 0, 3, 1, 4))
+        out.stored, out.lengths, out.written = held, lengths, lengths.clone()
         return out
 
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    @property
+    def ring(self) -> int:
+        return self.window + self.spare
+
+    def used_nbytes(self) -> int:
+        per_slot = self.keys.shape[0] * self.keys.shape[2] * self.keys.shape[4] * self.keys.element_size() * 2
+        return int((self.stored >= 0).sum().item()) * per_slot
+
+    def slot_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Where each position lives: itself in the sink, else sink + (position - sink) mod ring."""
+        return torch.where(positions < self.sink, positions, self.sink + (positions - self.sink) % self.ring)
+
+    def held_positions(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(B,) lengths -> (B, C): the position each slot holds once positions [0, length) were written in
+        order (-1: none), i.e. the latest position below the length that maps to it."""
+        slot = torch.arange(self.keys.shape[3], device=lengths.device)
+        offset = (slot - self.sink).clamp(min=0)
+        latest = self.sink + offset + self.ring * torch.div(lengths[:, None] - 1 - self.sink - offset, self.ring,
+                                                            rounding_mode="floor")
+        held = torch.where(slot < self.sink, slot.expand_as(latest), latest)
+        keep = (held < lengths[:, None]) & ((slot < self.sink) | (held >= self.sink))
+        return torch.where(keep, held, -1)
+
+    def room(self) -> int:
+        return min(super().room(), self.spare)  # a forward reaches max(written, length + T) - length
+
     def begin_forward(self, positions: torch.Tensor, group: int = 1) -> ForwardPlan:
-        if not self.sparse:
-            return super().begin_forward(positions, group)
-        span = int(positions[:, -1].max()) + 1
+        written = torch.maximum(self.written, positions[:, -1] + 1)
+        span, ahead = torch.stack([positions[:, -1].max() + 1, (written - self.lengths).max()]).tolist()
         if span > self.max_len:
             raise ValueError(f"KV cache overflow: need {span} positions, max_len={self.max_len}")
-        read = sink_window_gather(positions, self.sink, self.window)
-        plan = ForwardPlan(positions=positions, slots=positions, span=read.shape[1],
-                           visible=sink_window_visible(read, positions, self.sink, self.window),
-                           gather=read.clamp(max=self.max_len - 1))
+        if ahead > self.spare:
+            raise ValueError(f"a sink + window cache keeps {self.spare} positions past each row's length; this "
+                             f"forward (with any rollback before it) reaches {ahead}: forward fewer tokens at once "
+                             f"or build the cache with a larger spare")
+        slots = self.slot_of(positions)
+        self.stored[self._rows[:, None], slots] = positions
+        self.written = written
+        j, q = self.stored[:, None, :], positions[:, :, None]
+        visible = (j >= 0) & (j <= q) & ((j < self.sink) | (q - j < self.window))
+        plan = ForwardPlan(positions=positions, slots=slots, span=self.keys.shape[3], visible=visible)
         plan.grouped_mask(group)
         return plan
 
     def attend(self, slot: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                plan: ForwardPlan) -> torch.Tensor:
-        gather = plan.gather
-        if gather is None:
-            return super().attend(slot, q, k_new, v_new, plan)
         keys, values = self.keys[slot], self.values[slot]
         rows = self._rows[:, None]
         keys[rows, :, plan.slots] = k_new.transpose(1, 2)
         values[rows, :, plan.slots] = v_new.transpose(1, 2)
-        index = gather[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])  # (B, K, N, D)
-        bias = plan.attention_bias(q.shape[1] // keys.shape[1], q.dtype)
-        return grouped_attention_masked(q, keys.gather(2, index), values.gather(2, index), bias)
+        return grouped_attention_masked(q, keys, values, plan.attention_bias(q.shape[1] // keys.shape[1], q.dtype))

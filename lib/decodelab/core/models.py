@@ -285,6 +285,19 @@ def load_model(
     return LoadedModel(name=name, hf_model=hf_model, tokenizer=tokenizer, transformer=Transformer.from_hf(hf_model))
 
 
+def cast_model(model: LoadedModel, dtype: torch.dtype | str) -> LoadedModel:
+    """A copy of `model` with its weights in `dtype` (the same weights, rounded; the tokenizer shared), e.g. a bf16
+    self-draft of an fp32 target: it reads half the weight bytes. Bad dtype: `resolve_dtype`'s ValueError."""
+    import copy
+
+    from decodelab.core.transformer import Transformer
+
+    dtype = resolve_dtype(dtype, model.device)
+    hf_model = copy.deepcopy(model.hf_model).to(dtype).eval()
+    return LoadedModel(name=model.name, hf_model=hf_model, tokenizer=model.tokenizer,
+                       transformer=Transformer.from_hf(hf_model))
+
+
 def not_found(name: str, error: Exception) -> ModelNotFoundError:
     return ModelNotFoundError(
         f"model={name!r} could not be loaded ({type(error).__name__}: {str(error).splitlines()[0][:200]}). "

@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from decodelab.core.engine import extend, pad_prompts
+from decodelab.core.engine import extend, live_rows, pad_prompts
 from decodelab.core.sampling import draw_uniforms
 from decodelab.speculation.draft_models import (  # truncated_model: still imported from here by test_speculative
     check_same_tokenizer,
@@ -272,9 +272,16 @@ class CachedModelDrafter(DrafterBase):
         extend(self.tr, self.cache, tokens, n_new=lengths, layers=self.layers, logits_at="none")
         self._prompts_key, self._prompt_lengths = key, self.cache.lengths.clone()
 
-    def _logits(self, tokens: torch.Tensor, n_new: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed tokens (B, T) -> logits at each row's last valid token, cut/padded to the target's vocab."""
-        logits = extend(self.tr, self.cache, tokens, n_new=n_new, layers=self.layers, logits_at="last").float()
+    def _logits(self, tokens: torch.Tensor, n_new: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed tokens (B, T) -> logits at each row's last valid token, cut/padded to the target's vocab.
+        rows: only these rows' logits are computed (finished rows skip the linear layers; theirs are zeros)."""
+        if rows is None:
+            logits = extend(self.tr, self.cache, tokens, n_new=n_new, layers=self.layers, logits_at="last").float()
+        else:
+            every = extend(self.tr, self.cache, tokens, n_new=n_new, layers=self.layers, logits_at="all", rows=rows)
+            last = (n_new if n_new is not None else torch.full_like(self.cache.lengths, tokens.shape[1])) - 1
+            logits = every[torch.arange(tokens.shape[0], device=every.device), last.clamp(min=0)].float()
         V = self.vocab_size
         if logits.shape[-1] > V:  # a draft with a larger (padded) embedding: never propose ids the target lacks
             logits = logits[:, :V]
@@ -294,19 +301,21 @@ class CachedModelDrafter(DrafterBase):
     def _propose(self, ctx: DraftContext, k: int) -> DraftProposal:
         device = self.tr.device
         lengths = self.cache.lengths.tolist()
+        # finished rows riding along skip the linear layers when that pays and is exact (`engine.live_rows`)
+        rows = None if ctx.active is None else live_rows(self.tr, ctx.active.tolist())
         unseen = [seq[n:] for seq, n in zip(ctx.tokens, lengths)]
         logits = None
         while any(unseen):
             # catch up on every unseen token, all rows in one ragged forward; each row writes scratch up to
             # the widest row's length, so the width is capped by the room left (more forwards only then)
-            room = max(self.cache.max_len - max(self.cache.lengths.tolist()), 1)
+            room = max(self.cache.room(), 1)
             chunk = [u[:room] for u in unseen]
             n_new = torch.tensor([len(c) for c in chunk], dtype=torch.long, device=device)
             tokens = torch.zeros(len(chunk), int(n_new.max()), dtype=torch.long)
             for b, c in enumerate(chunk):
                 if c:
                     tokens[b, : len(c)] = torch.tensor(c)
-            step_logits = self._logits(tokens.to(device), n_new)
+            step_logits = self._logits(tokens.to(device), n_new, rows)
             # rows that fed nothing keep the logits of an earlier chunk (only finished rows feed nothing)
             logits = step_logits if logits is None else torch.where((n_new > 0)[:, None], step_logits, logits)
             unseen = [u[room:] for u in unseen]
@@ -317,7 +326,7 @@ class CachedModelDrafter(DrafterBase):
             drafts.append(token)
             probs.append(q)
             if i < k - 1:
-                logits = self._logits(token[:, None])
+                logits = self._logits(token[:, None], rows=rows)
         return DraftProposal(tokens=torch.stack(drafts, 1),
                              probs=None if ctx.sampler is None else torch.stack(probs, 1))
 

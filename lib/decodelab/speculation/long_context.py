@@ -11,6 +11,7 @@ log ratios, the round noise pooled over the drafters of a cell whose runs are of
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -18,13 +19,14 @@ import torch
 from decodelab.common.goals import Goal
 from decodelab.core.engine import as_transformer
 from decodelab.core.kv_cache import check_sink_window
+from decodelab.core.models import cast_model
 from decodelab.speculation.decode import Prefilled, generate
 from decodelab.speculation.drafters import make_drafter
 from decodelab.speculation.sparse_draft import DEFAULT_SINK, DEFAULT_WINDOW, SparseKVDrafter, prefill_once
 from decodelab.speculation.speedup_stats import pooled_speedup_intervals
 from decodelab.workloads.long_context import long_context_workload
 
-KV_COPIES = 3  # the target's prefill, the rows of one batch taken from it, the sparse draft's own copy
+KV_COPIES = 2  # the target's prefill and the rows of one batch taken from it (the sparse draft keeps sink + window)
 
 
 def kv_bytes_per_token(model) -> int:
@@ -101,12 +103,16 @@ def shared_prefill(model, prompts, *, max_new_tokens: int, max_k: int) -> Prefil
 
 def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_tokens: int, repeats: int,
                        sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW, task: str = "edit",
-                       max_batch: dict | None = None, progress: bool = False) -> list[dict]:
+                       max_batch: dict | None = None, sparse_dtype=None, progress: bool = False) -> list[dict]:
     """-> one row per (context, batch, drafter): {context, batch, drafter, k, speedup, speedup_low,
     speedup_high, ratios, plain_s, spec_s (min over repeats), tau, draft_s, verify_s, steps, draft_s_per_token,
     matches_plain} (the fields `heldout.validate` reads, so the roofline can be judged on held-out cells).
-    max_batch: {drafter: the largest batch it runs at} (CPU time); absent drafters run at every batch."""
+    max_batch: {drafter: the largest batch it runs at} (CPU time); absent drafters run at every batch.
+    sparse_dtype: the sparse-KV self-draft's weights in this dtype (`models.cast_model`; None: the target's)."""
     check_grid(contexts, batches, drafters, k, max_batch)
+    sparse_model = model
+    if "sparse_kv" in drafters and sparse_dtype is not None:  # a bad dtype fails here, before any forward
+        sparse_model = cast_model(model, sparse_dtype)
     max_batch = max_batch or {}
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"long_repeats={repeats!r} must be an int >= 1")
@@ -121,7 +127,7 @@ def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_to
         for batch in sorted(batches):
             pre = batch_prefilled(full, batch)
             here = [d for d in drafters if batch <= max_batch.get(d, batch)]
-            made = {d: (SparseKVDrafter(model, sink=sink, window=window).share(pre.cache) if d == "sparse_kv"
+            made = {d: (SparseKVDrafter(sparse_model, sink=sink, window=window).share(pre.cache) if d == "sparse_kv"
                         else make_drafter(d, model)) for d in here}
             runs = {name: [] for name in ["plain", *here]}
             for _ in range(repeats + 1):  # round 0 warms up and is dropped
@@ -208,12 +214,22 @@ LONG_GPU_TARGETS = {"8B": "Llama-3-8B", "70B": "Llama-3-70B"}
 LONG_GPU_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def sparse_draft_speedup(shape, hw, batch, *, alpha: float, k: int, context: float, sink: int, window: int) -> float:
+def bytes_per_param(dtype) -> float | None:
+    """Bytes of one weight in `dtype` (a torch dtype or its name), None for None."""
+    if dtype is None:
+        return None
+    return float(torch.empty(0, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype).element_size())
+
+
+def sparse_draft_speedup(shape, hw, batch, *, alpha: float, k: int, context: float, sink: int, window: int,
+                         draft_bytes_per_param: float | None = None) -> float:
     """Roofline speedup of the sparse-KV self-draft: k draft steps of the target reading sink + window KV
-    positions per row, then one verify of k + 1 tokens over the whole context (MagicDec's model)."""
+    positions per row, then one verify of k + 1 tokens over the whole context (MagicDec's model).
+    draft_bytes_per_param: the draft's weights and KV in another width (a bf16 draft of an fp32 target: 2)."""
     from decodelab.speculation import roofline
 
-    t_draft = roofline.step_time(shape, hw, batch, 1, min(context, sink + window))
+    draft = shape if draft_bytes_per_param is None else replace(shape, bytes_per_param=draft_bytes_per_param)
+    t_draft = roofline.step_time(draft, hw, batch, 1, min(context, sink + window))
     return float(roofline.speculative_speedup(shape, hw, batch, alpha=alpha, k=k, context=context,
                                               draft_s_per_token=float(t_draft)))
 
@@ -301,12 +317,14 @@ def plot_crossover_vs_context(crossovers: list[dict], ax=None):
     return ax
 
 
-def predict_long_rows(rows: list[dict], shape, hw, *, sink: int, window: int) -> list[dict]:
+def predict_long_rows(rows: list[dict], shape, hw, *, sink: int, window: int,
+                      draft_bytes_per_param: float | None = None) -> list[dict]:
     """The roofline's reading of each measured cell on the calibrated machine `hw`: the drafter's acceptance
     alpha fitted from the cell's own tau, then the predicted speedup (n-gram: free drafts; sparse_kv: full-weight
     draft steps over sink + window positions; layer_skip: not modelled, nan), and the verify/decode step-time
     ratio T(B, k+1) / T(B, 1) that decides whether verifying is nearly free. -> rows + {alpha, predicted,
-    verify_ratio, attention_share (attention FLOPs / all FLOPs of the verify step)}."""
+    verify_ratio, attention_share (attention FLOPs / all FLOPs of the verify step)}. draft_bytes_per_param: see
+    `sparse_draft_speedup`."""
     from decodelab.speculation import roofline
 
     out = []
@@ -316,7 +334,8 @@ def predict_long_rows(rows: list[dict], shape, hw, *, sink: int, window: int) ->
         if r["drafter"] == "ngram":
             pred = float(roofline.speculative_speedup(shape, hw, b, alpha=alpha, k=k, context=s))
         elif r["drafter"] == "sparse_kv":
-            pred = sparse_draft_speedup(shape, hw, b, alpha=alpha, k=k, context=s, sink=sink, window=window)
+            pred = sparse_draft_speedup(shape, hw, b, alpha=alpha, k=k, context=s, sink=sink, window=window,
+                                        draft_bytes_per_param=draft_bytes_per_param)
         else:
             pred = float("nan")
         ratio = float(roofline.step_time(shape, hw, b, k + 1, s) / roofline.step_time(shape, hw, b, 1, s))

@@ -3,9 +3,10 @@ own layers draft while attending only to the attention-sink positions and a rece
 a draft step reads sink + window cache positions per row instead of the whole context. At long context and
 high batch the KV read dominates a step's bytes, so such a draft costs a fraction of a target step.
 
-`SparseKVDrafter` keeps its own `SinkWindowKVCache` holding the target's exact full-attention KV of the prompt
-(prefilled with dense attention, so the sink and window entries are the target's own), and every later
-forward (catch-up and drafts) attends sparsely. `prefill_once` prefills rows that share a prompt prefix once
+`SparseKVDrafter` keeps its own `SinkWindowKVCache`: the sink and the latest window of the target's exact
+full-attention KV of the prompt (prefilled with dense attention, so those entries are the target's own), in a
+ring that every later forward (catch-up and drafts) updates and attends to, so a draft forward neither reads
+nor copies the rest of the context. `prefill_once` prefills rows that share a prompt prefix once
 and replicates its KV, which both this drafter and the long-context sweep use.
 """
 from __future__ import annotations
@@ -63,6 +64,7 @@ class SparseKVDrafter(CachedModelDrafter):
     Bad input: sink < 0, window < 1, or sink + window larger than the shortest prompt (then the "sparse"
     view is the whole context) raise ValueError at `begin`, before any forward."""
 
+    SPARE = 32  # ring positions past a row's length: room for a catch-up forward plus the drafts rolled back
     relative_cost = None  # no cost prior for a policy: it reads the target's weights, but its point is the KV it skips
 
     def __init__(self, model, *, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW, layers=None):
@@ -84,15 +86,10 @@ class SparseKVDrafter(CachedModelDrafter):
 
     def begin(self, prompts: list[list[int]], *, max_len: int) -> None:
         check_sink_window(self.sink, self.window, context=min(map(len, prompts)))
-        source = self.prompt_cache
-        lengths = [len(p) for p in prompts]
-        if source is not None and source.lengths.tolist() == lengths:
-            cache = self.tr.new_cache(len(prompts), max_len + self.CATCHUP, n_layers=len(self.layers or self.tr.layers))
-            layers = slice(None) if self.layers is None else self.layers
-            n = max(lengths)
-            cache.keys[:, :, :, :n] = source.keys[layers, :, :, :n]
-            cache.values[:, :, :, :n] = source.values[layers, :, :, :n]
-            cache.advance(source.lengths)
-        else:
-            cache, _ = prefill_once(self.tr, prompts, max_len=max_len + self.CATCHUP, layers=self.layers)
-        self.cache: KVCache = SinkWindowKVCache.adopt(cache, sink=self.sink, window=self.window)
+        if self.prompt_cache is not None and self.prompt_cache.lengths.tolist() == [len(p) for p in prompts]:
+            source, layers = self.prompt_cache, self.layers
+        else:  # a prefill of only the drafting layers
+            source, layers = prefill_once(self.tr, prompts, max_len=max(map(len, prompts)), layers=self.layers)[0], None
+        self.cache: KVCache = SinkWindowKVCache.from_cache(source, sink=self.sink, window=self.window,
+                                                           spare=self.SPARE, max_len=max_len + self.CATCHUP,
+                                                           layers=layers, dtype=self.tr.dtype)
