@@ -71,9 +71,16 @@ def test_shared_prefill_decodes_like_a_plain_prefill(tiny):
     prompts = _workload(40, 3).prompts
     pre = lc.shared_prefill(tiny, prompts, max_new_tokens=8, max_k=3)
     ref = engine.generate(tiny, prompts, max_new_tokens=8, eos_token_ids=[])
-    out = speculative.generate(tiny, drafter=None, k=0, max_new_tokens=8, prefilled=lc.batch_prefilled(pre, 2),
-                               eos_token_ids=[])
+    two = lc.batch_prefilled(pre, 2)
+    assert two.cache.keys.data_ptr() == pre.cache.keys.data_ptr()  # a view of the prefill's rows, not a copy
+    out = speculative.generate(tiny, drafter=None, k=0, max_new_tokens=8, prefilled=two, eos_token_ids=[])
     assert out.tokens == ref.tokens[:2]
+    # the smaller batch's run wrote only scratch positions: the whole batch, drafting, still decodes the same
+    out = speculative.generate(tiny, drafter=lc.SparseKVDrafter(tiny, sink=2, window=8).share(pre.cache), k=3,
+                               max_new_tokens=8, prefilled=lc.batch_prefilled(pre, 3), eos_token_ids=[])
+    assert out.tokens == ref.tokens
+    with pytest.raises(ValueError, match=r"batch=4 must be in \[1, 3\]"):
+        pre.cache.first_rows(4)
 
 
 def test_memory_check_says_how_much_is_needed(tiny):

@@ -154,10 +154,22 @@ class KVCache:
         """A new cache holding only `rows` (in that order); copies their entries."""
         rows = torch.as_tensor(rows, device=self.lengths.device, dtype=torch.long)
         out = KVCache.__new__(KVCache)
-        out.keys = self.keys[:, rows].clone()
-        out.values = self.values[:, rows].clone()
+        out.keys = self.keys.index_select(1, rows)  # one copy (indexing then cloning wrote every byte twice)
+        out.values = self.values.index_select(1, rows)
         out.lengths = self.lengths[rows].clone()
         out._rows = torch.arange(len(rows), device=rows.device)
+        return out
+
+    def first_rows(self, batch: int) -> "KVCache":
+        """Rows [0, batch) as a cache that shares this one's storage (views: its writes land here) and has its own
+        lengths: for runs that write only positions past the rows' lengths and truncate back (a benchmark
+        decoding several batches of one prefill), where a copy would cost as much as reading the whole KV."""
+        if not 1 <= batch <= self.batch_size:
+            raise ValueError(f"batch={batch} must be in [1, {self.batch_size}]")
+        out = KVCache.__new__(KVCache)
+        out.keys, out.values = self.keys[:, :batch], self.values[:, :batch]
+        out.lengths = self.lengths[:batch].clone()
+        out._rows = self._rows[:batch]
         return out
 
     def room(self) -> int:

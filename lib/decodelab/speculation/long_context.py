@@ -26,7 +26,9 @@ from decodelab.speculation.sparse_draft import DEFAULT_SINK, DEFAULT_WINDOW, Spa
 from decodelab.speculation.speedup_stats import pooled_speedup_intervals
 from decodelab.workloads.long_context import long_context_workload
 
-KV_COPIES = 2  # the target's prefill and the rows of one batch taken from it (the sparse draft keeps sink + window)
+WARMUP_TOKENS = 4  # new tokens of the dropped warm-up round: a draft and a verify step of each run, at a fraction of
+# a timed round's cost
+KV_COPIES = 1  # the largest batch's prefill (smaller batches are views of its rows; the sparse draft keeps a ring)
 
 
 def kv_bytes_per_token(model) -> int:
@@ -79,8 +81,9 @@ def check_grid(contexts, batches, drafters, k, max_batch=None) -> None:
 
 
 def batch_prefilled(full: Prefilled, batch: int) -> Prefilled:
-    """The first `batch` rows of a prefill (their KV copied), as a Prefilled of their own."""
-    return Prefilled(prompts=full.prompts[:batch], cache=full.cache.select(list(range(batch))),
+    """The first `batch` rows of a prefill, as a Prefilled of their own whose cache shares `full`'s storage
+    (`KVCache.first_rows`: every run truncates back to the prompts, so runs never see each other's writes)."""
+    return Prefilled(prompts=full.prompts[:batch], cache=full.cache.first_rows(batch),
                      last_logits=full.last_logits[:batch], last_hidden=full.last_hidden[:batch],
                      prompt_hidden=full.prompt_hidden[:batch], prompt_lengths=full.prompt_lengths[:batch].clone(),
                      prefill_s=full.prefill_s, max_new_tokens=full.max_new_tokens, max_k=full.max_k)
@@ -130,11 +133,11 @@ def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_to
             made = {d: (SparseKVDrafter(sparse_model, sink=sink, window=window).share(pre.cache) if d == "sparse_kv"
                         else make_drafter(d, model)) for d in here}
             runs = {name: [] for name in ["plain", *here]}
-            for _ in range(repeats + 1):  # round 0 warms up and is dropped
+            for rnd in range(repeats + 1):  # round 0 warms up (every code path, a few tokens) and is dropped
                 for name in runs:
                     drafter = made.get(name)
-                    out = generate(model, drafter=drafter, k=k if drafter else 0, max_new_tokens=max_new_tokens,
-                                   prefilled=pre, eos_token_ids=[])
+                    out = generate(model, drafter=drafter, k=k if drafter else 0, prefilled=pre, eos_token_ids=[],
+                                   max_new_tokens=min(WARMUP_TOKENS, max_new_tokens) if rnd == 0 else max_new_tokens)
                     runs[name].append(out)
             timed = {name: [([len(out.tokens[0]) * batch], [out.stats.decode_s]) for out in outs[1:]]
                      for name, outs in runs.items()}
