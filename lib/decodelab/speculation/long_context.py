@@ -113,13 +113,13 @@ def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_to
     max_batch: {drafter: the largest batch it runs at} (CPU time); absent drafters run at every batch.
     sparse_dtype: the sparse-KV self-draft's weights in this dtype (`models.cast_model`; None: the target's)."""
     check_grid(contexts, batches, drafters, k, max_batch)
-    sparse_model = model
-    if "sparse_kv" in drafters and sparse_dtype is not None:  # a bad dtype fails here, before any forward
-        sparse_model = cast_model(model, sparse_dtype)
     max_batch = max_batch or {}
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"long_repeats={repeats!r} must be an int >= 1")
     check_memory(model, contexts, batches, max_new_tokens=max_new_tokens, max_k=k)
+    sparse_model = model
+    if "sparse_kv" in drafters and sparse_dtype is not None:  # a bad dtype fails here, before any forward
+        sparse_model = cast_model(model, sparse_dtype)
     works = {c: long_context_workload(model.tokenizer, context=c, batch=max(batches), task=task) for c in contexts}
     if "sparse_kv" in drafters:  # bad sink/window fail here, before any forward
         for work in works.values():
