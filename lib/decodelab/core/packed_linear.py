@@ -1,5 +1,7 @@
 """Linear layers on CPU through weights packed once, instead of PyTorch's default path: our row-invariant
-fp32 kernel (`core.native_linear`) in fp32, oneDNN in bf16 (and in fp32 where the kernel cannot run).
+fp32 kernel (`core.native_linear`) in fp32, oneDNN in bf16 (and in fp32 where the kernel cannot run), with our
+AMX kernel (`core.amx_linear`: oneDNN's own products without its fixed cost per call) for bf16 calls of up to
+`AMX_ROWS` rows.
 
 Why, in bf16: `F.linear` on a bf16 CPU tensor hands oneDNN the weight in PyTorch's plain (N, K) layout,
 and oneDNN reorders it into its blocked layout on every call; at decode shapes (a few rows, K = hidden
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from decodelab.core import native_linear
+from decodelab.core import amx_linear, native_linear
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -107,15 +109,26 @@ class PackedLinears:
         packed = native_linear.pack(weight) if weight.dtype == torch.float32 else None
         if packed is None:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        entry = (weight.dtype, _stamps(modules), packed, bias)
+        # bf16 up to AMX_ROWS rows: the AMX kernel, oneDNN's own products there (no bias: oneDNN adds it first)
+        amx = amx_linear.pack(weight) if weight.dtype == torch.bfloat16 and bias is None else None
+        entry = (weight.dtype, _stamps(modules), packed, bias, amx)
         self._packed[modules] = entry
         return entry
+
+
+# oneDNN's bf16 products of up to 32 rows equal each row's product alone (its one-row AMX arithmetic, which our
+# kernel reproduces bit for bit); from 33 rows it switches kernel and they do not (measured at every decode shape
+# of the embedded model). So the AMX kernel takes exactly the calls where it gives oneDNN's numbers, and bf16 keeps
+# oneDNN's behaviour everywhere: transformers' bf16 greedy tokens, and no row-invariance above 32 rows.
+AMX_ROWS = 32
 
 
 def _product(entry: tuple, x: torch.Tensor) -> torch.Tensor:
     """x (..., K) times an entry's packed weight (+ its bias): the fp32 kernel's panels or oneDNN's blocks."""
     if isinstance(entry[2], native_linear.PackedWeight):
         return native_linear.linear(x, entry[2], entry[3])
+    if entry[4] is not None and x.numel() <= AMX_ROWS * x.shape[-1]:
+        return amx_linear.linear(x, entry[4])
     return torch.ops.mkldnn._linear_pointwise(x, entry[2], entry[3], "none", [], "")
 
 
