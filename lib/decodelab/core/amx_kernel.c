@@ -26,7 +26,8 @@
 #define TILE_ROWS 16
 #define CHUNK 32          /* k values per TDPBF16PS (64 bytes of bf16 per tile row) */
 #define TILE_ELEMS 512    /* bf16 values in one packed weight tile (16 pairs x 16 columns x 2) */
-#define AHEAD 16          /* weight tiles prefetched ahead (16 KB; 4: 24.6, 16: 27.1, 32: 23.1 GB/s streaming a model) */
+#define AHEAD 4           /* weight tiles prefetched ahead: 4 KB (16 streamed a bare model faster, 27 vs 25 GB/s, but
+                             a decode step in place ran 21.0 vs 20.5 ms, median of 7, quiet) */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
