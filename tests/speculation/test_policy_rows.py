@@ -109,8 +109,22 @@ def test_the_k0_benchmark_runs_plain_steps_only_and_keeps_the_tokens(tiny):
     assert res["nonzero_k_steps"] == 0 and res["same_tokens"] is True and res["steps"] == 5
     assert res["overhead_stepwise_min"] == pytest.approx(res["k0_s"] / res["plain_s"] - 1)
     rounds = np.array(res["round_overheads"]) + 1
-    assert len(rounds) == 2 and res["overhead"] == pytest.approx(float(np.exp(np.log(rounds).mean())) - 1)
-    assert res["overhead_whole_run"] > -1
+    assert len(rounds) == 2 and res["overhead_rounds"] == pytest.approx(float(np.exp(np.log(rounds).mean())) - 1)
+    assert res["overhead_whole_run"] > -1 and res["overhead"] > -1 and res["overhead_median_step"] > -1
+
+
+def test_paired_step_overhead_trims_each_tail_alike_and_rejects_unpaired_steps():
+    plain = np.full((2, 5), 0.1)
+    assert speculative_bench.paired_step_overhead(plain, plain * 1.02, trim=0.0) == pytest.approx(0.02)
+    other = plain * 1.01
+    other[0, 0], other[1, 3] = 0.2, 0.05  # one spike each way: trimmed (1 of 10 steps per tail)
+    assert speculative_bench.paired_step_overhead(plain, other, trim=0.1) == pytest.approx(0.01)
+    untrimmed = np.exp(np.log(other / plain).mean()) - 1
+    assert speculative_bench.paired_step_overhead(plain, other, trim=0.0) == pytest.approx(untrimmed)
+    with pytest.raises(ValueError, match="one shape"):
+        speculative_bench.paired_step_overhead(plain, plain[:, :4])
+    with pytest.raises(ValueError, match="trim"):
+        speculative_bench.paired_step_overhead(plain, plain, trim=0.5)
 
 
 def test_stepwise_minimum_sums_each_steps_fastest_round_and_rejects_unlike_runs():

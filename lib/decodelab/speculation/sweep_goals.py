@@ -2,6 +2,8 @@
 transformers side by side (`bench.hf_side_by_side`) and the roofline's validation."""
 from __future__ import annotations
 
+from decodelab.speculation.bench import K0_TRIM
+
 # The notebook's stated goals: name -> (op, target). Targets are defined once, here.
 GOAL_TARGETS = {
     "ngram_speedup_b1_code": (">=", 1.7),
@@ -72,7 +74,9 @@ def speculation_goals(rows: list[dict], *, drafters, grid_category: str, hf_rows
     out.append(goal("k0_overhead", None if k0 is None else k0["overhead"], unit="%",
                     label="all-k=0 speculative decode time over engine.generate's (same prompts)",
                     note="the k=0 benchmark did not run" if k0 is None
-                    else f"batch {k0['batch']}, geometric mean of {k0['repeats']} paired rounds stepped side by side"))
+                    else f"batch {k0['batch']}, {k0['repeats']} rounds stepped side by side: paired per-step log "
+                    f"ratios, {K0_TRIM:.0%} trimmed at each tail (geometric mean of the paired rounds: "
+                    f"{k0['overhead_rounds']:+.2%})"))
     insample = "n/a" if insample_error is None else f"{insample_error:.0%}"
     out.append(goal("roofline_heldout_error", heldout_error, unit="%",
                     label="roofline median relative error on held-out cells",
