@@ -17,7 +17,7 @@ def _rows_alone(x, w):
     return torch.cat([torch.nn.functional.linear(x[i:i + 1], w) for i in range(len(x))])
 
 
-@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (49152, 576), (100, 64)])
+@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (49152, 576), (100, 64), (1000, 96)])
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
 @torch.inference_mode()
 def test_each_row_equals_f_linear_of_that_row_bit_for_bit(n, k, m):
