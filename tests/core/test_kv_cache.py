@@ -108,3 +108,24 @@ def test_sink_window_bad_input_names_the_parameter():
         kv.check_sink_window(-1, 8)
     with pytest.raises(ValueError, match=r"sink=4 \+ window=100 = 104 positions is larger than the context \(50"):
         kv.check_sink_window(4, 100, context=50)
+
+
+@pytest.mark.parametrize("lengths,sliced", [([7], True), ([5, 5, 5], True), ([5, 3, 6], False)])
+def test_a_decode_step_of_equal_rows_writes_a_slice_with_the_scatters_values(lengths, sliced):
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, dim = len(lengths), 4, 2, 8
+    caches = [kv.KVCache(2, batch, kv_heads, dim, 16, dtype=torch.float32, device=torch.device("cpu")) for _ in "ab"]
+    for cache in caches:
+        cache.keys.normal_(generator=torch.Generator().manual_seed(1))
+        cache.values.normal_(generator=torch.Generator().manual_seed(2))
+        cache.lengths = torch.tensor(lengths)
+    q = torch.randn(batch, heads, 1, dim, generator=gen)
+    k_new, v_new = (torch.randn(batch, kv_heads, 1, dim, generator=gen) for _ in "kv")
+    plans = [cache.begin_forward(cache.positions(1), group=heads // kv_heads) for cache in caches]
+    assert (plans[0].start is not None) == sliced
+    plans[1].start = None  # the scatter by index
+    outs = [cache.attend(1, q, k_new, v_new, plan) for cache, plan in zip(caches, plans)]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
+    two_tokens = caches[0].begin_forward(caches[0].positions(2), group=2)
+    assert two_tokens.start is None  # verify feeds keep the scatter
