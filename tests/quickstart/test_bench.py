@@ -87,3 +87,28 @@ def test_fastest_call_is_kept_with_the_spread_and_tokens_counted_as_returned(mon
     assert (by_impl["ours"]["new_tokens"], by_impl["hf"]["new_tokens"]) == (8, 7)
     assert by_impl["hf"]["tokens_per_s"] == 7 / 3.0
     assert by_impl["ours"]["identical_rows"] == by_impl["hf"]["identical_rows"] == 1
+
+
+def test_the_dtype_head_to_head_interleaves_the_dtypes_and_judges_on_the_fastest_calls(monkeypatch):
+    import torch
+
+    from decodelab.quickstart import dtype_sweep
+
+    models = {name: tiny_model(seed=0, dtype=getattr(torch, name)) for name in ("float32", "bfloat16")}
+    monkeypatch.setattr(dtype_sweep, "load_model", lambda name, device=None, dtype=None: models[dtype])
+    monkeypatch.setattr(bench, "chat_prompts", lambda tokenizer: PROMPTS)
+    order, real = [], dtype_sweep.generate
+    monkeypatch.setattr(dtype_sweep, "generate",
+                        lambda model, *a, **kw: order.append(dtype_sweep.dtype_name(model)) or real(model, *a, **kw))
+    rows = dtype_sweep.head_to_head("tiny", ["float32", "bfloat16"], 5, rounds=3, batch=2)
+    fp32, bf16 = "float32", "bfloat16"
+    assert order == [fp32, bf16] + [fp32, bf16, bf16, fp32, fp32, bf16]  # one warm-up each, then flipping rounds
+    by = {r["dtype"]: r for r in rows}
+    for r in rows:
+        assert r["batch"] == 2 and r["rounds"] == 3 and r["same_tokens"] is True
+        assert r["seconds"] <= r["seconds_max"] and r["spread"] == r["seconds_max"] / r["seconds"] - 1
+        assert r["ours_tokens_per_s"] == 2 * 5 / r["seconds"]
+    assert dtype_sweep.speedup_over(rows, bf16, fp32, batch=2) == (by[bf16]["ours_tokens_per_s"]
+                                                                   / by[fp32]["ours_tokens_per_s"])
+    with pytest.raises(ValueError, match="rounds"):
+        dtype_sweep.head_to_head("tiny", [fp32], 5, rounds=0)

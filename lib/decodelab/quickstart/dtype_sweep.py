@@ -68,3 +68,37 @@ def speedup_over(rows: list[dict], dtype: str, base: str = "float32", batch: int
     if (dtype, batch) not in by or (base, batch) not in by:
         return float("nan")
     return by[(dtype, batch)] / by[(base, batch)]
+
+
+def head_to_head(model_name: str, dtypes: list[str], max_new_tokens: int, *, rounds: int, batch: int = 1,
+                 device=None, loaded=None) -> list[dict]:
+    """Our decode in each dtype on the same prompts, the calls interleaved round by round (the order flipping
+    each round, `timing.alternating_times`) under one wall clock, so the machine's drift over the minutes
+    between two dtypes' sweeps does not enter their ratio. Greedy, EOS off, prefill included, as the sweep.
+
+    -> one row per dtype {dtype, batch, ours_tokens_per_s (new tokens / fastest call), seconds, seconds_max,
+    spread (slowest / fastest - 1), rounds, same_tokens (every call returned the same tokens)}; feed the
+    rows to `speedup_over`. loaded: an already loaded model, reused for its dtype.
+    """
+    from decodelab.common.timing import alternating_times
+
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r} must be an integer >= 1")
+    models = {name: loaded if loaded is not None and dtype_name(loaded) == name
+              else load_model(model_name, device=device, dtype=name) for name in dtypes}
+    prompts = bench.prompt_batch(bench.chat_prompts(next(iter(models.values())).tokenizer), batch)
+    tokens = {name: [] for name in models}
+
+    def call(name):
+        return lambda: tokens[name].append(generate(models[name], prompts, max_new_tokens=max_new_tokens,
+                                                    eos_token_ids=[]).tokens)
+
+    times = alternating_times({name: call(name) for name in models}, rounds,
+                              device=next(iter(models.values())).device)
+    rows = []
+    for name, seconds in times.items():
+        new_tokens = sum(len(row) for row in tokens[name][-1])
+        rows.append({"dtype": name, "batch": batch, "ours_tokens_per_s": new_tokens / min(seconds),
+                     "seconds": min(seconds), "seconds_max": max(seconds), "spread": max(seconds) / min(seconds) - 1,
+                     "rounds": rounds, "same_tokens": all(t == tokens[name][0] for t in tokens[name])})
+    return rows
