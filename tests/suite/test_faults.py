@@ -315,6 +315,25 @@ def test_load_sampler_records_before_after_and_peak(monkeypatch):
     assert provenance.is_loaded({"load": load}) is True
 
 
+def test_the_sampler_probes_memory_reads_at_start_and_stop_and_the_answer_shows_them(monkeypatch):
+    from decodelab.suite import answers
+
+    rates = iter([21.5, 14.25])
+    monkeypatch.setattr(provenance, "memory_read_GBps", lambda: next(rates))
+    monkeypatch.setattr(provenance, "load_now", lambda: [0.5, 0.4, 0.3])
+    load = provenance.LoadSampler(every_s=10).start().stop()
+    assert load["memory_read_GBps"] == [21.5, 14.25]
+    assert answers.load_state({"load": load}) == (
+        answers.QUIET, "quiet (peak load 0.50 on %d cores; one core read memory at 21.5 then 14.2 GB/s)"
+        % provenance.load_cores())
+    assert "memory" not in answers.load_state({"load": {**load, "memory_read_GBps": [21.5, None]}})[1]
+
+
+def test_the_memory_probe_reads_its_bytes_at_a_positive_rate():
+    rate = provenance.memory_read_GBps(nbytes=8 << 20, passes=2)
+    assert isinstance(rate, float) and 0 < rate < 10_000
+
+
 def test_quiet_run_is_not_loaded(monkeypatch):
     monkeypatch.setattr(provenance, "load_now", lambda: [0.5, 0.4, 0.3])
     monkeypatch.setattr(provenance, "load_cores", lambda: 2)

@@ -211,7 +211,8 @@ def _first(value: Any) -> float | None:
 
 
 def load_state(env: dict) -> tuple[str, str]:
-    """(LOADED | QUIET | UNKNOWN, text) from env["load"] = {cores, before, after, peak_1min, loaded}.
+    """(LOADED | QUIET | UNKNOWN, text) from env["load"] = {cores, before, after, peak_1min, loaded} (and, where
+    recorded, memory_read_GBps: a host whose memory reads slowed shows it though its load stays quiet).
 
     Loaded when any recorded load exceeds the core count by more than provenance.LOAD_MARGIN (the run's
     own threads fill the cores); where no numbers were recorded, when the runner's flag says so.
@@ -224,6 +225,9 @@ def load_state(env: dict) -> tuple[str, str]:
     peak = max(seen) if seen else None
     loaded = is_loaded(env)
     detail = f"peak load {peak:.2f} on {cores:.0f} cores" if peak is not None and cores is not None else ""
+    memory = [_first(v) for v in load.get("memory_read_GBps") or []]
+    if detail and memory and all(v is not None for v in memory):
+        detail += f"; one core read memory at {' then '.join(f'{v:.1f}' for v in memory)} GB/s"
     if loaded:
         return LOADED, "loaded: timings not comparable" + (f" ({detail})" if detail else "")
     if load.get("loaded") is False or detail:

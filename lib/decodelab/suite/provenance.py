@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from decodelab.core.machine import cpu_model
@@ -179,6 +180,27 @@ def load_now() -> list[float] | None:
 
 
 LOAD_MARGIN = 0.5  # runnable threads beyond the core count (a run's own threads fill the cores)
+MEMORY_PROBE_BYTES = 256 << 20  # far past any core's caches (a whole host's L3 may be larger: it is shared)
+
+
+def memory_read_GBps(nbytes: int = MEMORY_PROBE_BYTES, passes: int = 3) -> float | None:
+    """One core's streaming read rate now, GB/s: the fastest of `passes` sums over `nbytes` of float64.
+
+    Why beside the load average: on a shared host, other tenants' memory traffic slows a memory-bound
+    decode while this machine's load stays quiet (here, identical notebook runs took 569, 650 and 743 s in
+    one day while this probe's two-core equivalent fell from 26.7 to 19.6 GB/s). None if it cannot run."""
+    import numpy as np
+
+    try:
+        data = np.ones(nbytes // 8)
+    except MemoryError:
+        return None
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return round(data.nbytes / best / 1e9, 2)
 
 
 def over_core_count(load_1min: float | None, cores: float | None) -> bool:
@@ -204,7 +226,8 @@ class LoadSampler:
 
         sampler = LoadSampler().start()   # records `before`
         ...
-        env["load"] = sampler.stop()      # {"cores", "before", "after", "peak_1min", "loaded", "samples"}
+        env["load"] = sampler.stop()      # {"cores", "before", "after", "peak_1min", "loaded", "samples",
+                                          #  "memory_read_GBps": [at start, at stop]}
 
     `summary()` gives the same record so far (for a run still going); the peak includes before/after.
     """
@@ -216,11 +239,13 @@ class LoadSampler:
         self.after: list[float] | None = None
         self.peak_1min: float | None = None
         self.samples = 0
+        self.memory_read: list[float | None] = []  # `memory_read_GBps` at start and at stop
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def start(self) -> LoadSampler:
+        self.memory_read = [memory_read_GBps()]
         self.before = load_now()
         self._note(self.before)
         self._thread = threading.Thread(target=self._loop, name="decodelab-load-sampler", daemon=True)
@@ -233,6 +258,7 @@ class LoadSampler:
             self._thread.join(timeout=self.every_s + 1)
         self.after = load_now()
         self._note(self.after)
+        self.memory_read.append(memory_read_GBps())
         return self.summary()
 
     def summary(self) -> dict:
@@ -241,7 +267,7 @@ class LoadSampler:
             return {
                 "cores": self.cores, "before": self.before, "after": self.after, "peak_1min": peak,
                 "loaded": over_core_count(peak, self.cores), "samples": self.samples,
-                "every_s": self.every_s,
+                "every_s": self.every_s, "memory_read_GBps": list(self.memory_read),
             }
 
     def _loop(self) -> None:
