@@ -66,11 +66,27 @@ def test_calibrated_widths_are_measured_once_and_then_read_back(model, tmp_path,
 
 
 def test_before_after_table_reports_the_padded_width(model, monkeypatch):
-    def fake_costs(model, max_width, widths=None, **kwargs):
-        return {t: ISSUE_MS[widths[t] if widths else t] / 1e3 for t in range(1, max_width + 1)}
+    def fake_times(model, max_width, widths=None, **kwargs):  # three rounds, the second 10% slower throughout
+        return {t: [ISSUE_MS[widths[t] if widths else t] / 1e3 * f for f in (1.0, 1.1, 1.0)]
+                for t in range(1, max_width + 1)}
 
-    monkeypatch.setattr(verify_widths, "verify_costs", fake_costs)
+    monkeypatch.setattr(verify_widths, "verify_times", fake_times)
     rows = verify_widths.before_after_table(model, 9)
     assert [r["width"] for r in rows] == [1, 5, 5, 5, 5, 6, 8, 8, 9]
     padded = [r["padded_ms"] for r in rows]
-    assert padded[:5] == sorted(padded[:5]) and "| 2 | 88.0 | 5 | 71.0 |" in verify_widths.markdown_widths(rows)
+    assert padded[:5] == sorted(padded[:5])
+    assert "| 2 | 88.0 | 5 | 71.0 | 0.0% |" in verify_widths.markdown_widths(rows)
+    # widths 5 -> 6: 71 -> 79 ms; 6 -> 7 pads to 8: 79 -> 78 ms, a 1.3% dip; the largest T has no dip
+    dips = [r["padded_dip"] for r in rows]
+    assert dips[4] == pytest.approx(71 / 79 - 1) and dips[5] == pytest.approx(79 / 78 - 1) and dips[-1] is None
+    assert verify_widths.worst_dip(rows) == pytest.approx(max(d for d in dips if d is not None))
+
+
+def test_paired_dips_pair_each_round_so_one_lucky_call_does_not_fake_a_dip():
+    # T = 2 caught a brief fast spell once: the minima say T = 2 ran 18% cheaper than T = 1 (a dip), yet in
+    # two of three rounds T = 2 cost 5% more than T = 1 beside it
+    times = {1: [1.0, 1.0, 1.0], 2: [1.05, 0.85, 1.05], 3: [1.0, 1.0, 1.0]}
+    dips = verify_widths.paired_dips(times)
+    assert min(times[1]) / min(times[2]) - 1 > 0.17
+    assert dips[1] == pytest.approx(1 / 1.05 - 1) and dips[2] == pytest.approx(0.05) and set(dips) == {1, 2}
+    assert verify_widths.paired_dips({4: [1.0, 3.0, 1.0], 5: [2.0, 1.0, 2.0]})[4] == pytest.approx(-0.5)  # median

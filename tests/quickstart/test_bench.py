@@ -1,5 +1,6 @@
 """The decode benchmark compares like with like: EOS off on both sides, tokens counted as returned, one clock."""
 
+import numpy as np
 import pytest
 
 from decodelab.core.engine import generate
@@ -89,7 +90,7 @@ def test_fastest_call_is_kept_with_the_spread_and_tokens_counted_as_returned(mon
     assert by_impl["ours"]["identical_rows"] == by_impl["hf"]["identical_rows"] == 1
 
 
-def test_the_dtype_head_to_head_interleaves_the_dtypes_and_judges_on_the_fastest_calls(monkeypatch):
+def test_the_dtype_head_to_head_interleaves_the_dtypes_and_keeps_every_round(monkeypatch):
     import torch
 
     from decodelab.quickstart import dtype_sweep
@@ -107,8 +108,28 @@ def test_the_dtype_head_to_head_interleaves_the_dtypes_and_judges_on_the_fastest
     for r in rows:
         assert r["batch"] == 2 and r["rounds"] == 3 and r["same_tokens"] is True
         assert r["seconds"] <= r["seconds_max"] and r["spread"] == r["seconds_max"] / r["seconds"] - 1
-        assert r["ours_tokens_per_s"] == 2 * 5 / r["seconds"]
+        assert r["ours_tokens_per_s"] == 2 * 5 / r["seconds"] and r["new_tokens"] == 2 * 5
+        assert len(r["round_seconds"]) == 3 and min(r["round_seconds"]) == r["seconds"]
+    assert dtype_sweep.paired_speedup(rows, bf16, fp32, batch=2) == pytest.approx(float(np.median(
+        [f / b for f, b in zip(by[fp32]["round_seconds"], by[bf16]["round_seconds"])])))
     assert dtype_sweep.speedup_over(rows, bf16, fp32, batch=2) == (by[bf16]["ours_tokens_per_s"]
                                                                    / by[fp32]["ours_tokens_per_s"])
     with pytest.raises(ValueError, match="rounds"):
         dtype_sweep.head_to_head("tiny", [fp32], 5, rounds=0)
+
+
+def test_paired_speedup_compares_calls_of_the_same_round():
+    from decodelab.quickstart import dtype_sweep
+
+    # bf16 was 1.5x fp32 in every round, but its fastest call fell in a fast spell fp32 never met: the
+    # fastest calls' ratio reads 2x
+    rows = [{"dtype": "float32", "batch": 1, "new_tokens": 10, "round_seconds": [3.0, 3.0, 3.0],
+             "ours_tokens_per_s": 10 / 3.0},
+            {"dtype": "bfloat16", "batch": 1, "new_tokens": 10, "round_seconds": [2.0, 1.5, 2.0],
+             "ours_tokens_per_s": 10 / 1.5}]
+    assert dtype_sweep.paired_speedup(rows, "bfloat16") == pytest.approx(1.5)
+    assert dtype_sweep.speedup_over(rows, "bfloat16") == pytest.approx(2.0)
+    assert np.isnan(dtype_sweep.paired_speedup(rows, "float16"))
+    rows[1]["round_seconds"] = [2.0]
+    with pytest.raises(ValueError, match="rounds"):
+        dtype_sweep.paired_speedup(rows, "bfloat16")

@@ -87,10 +87,16 @@ def test_memory_check_says_how_much_is_needed(tiny):
     per_token = lc.kv_bytes_per_token(tiny)
     tr = tiny.transformer
     assert per_token == 2 * tr.n_layers * tr.n_kv_heads * tr.head_dim * 4
-    need = lc.KV_COPIES * 32 * (4096 + 8 + 3 + 1) * per_token
+    # the 32-row prefill, and at batch 32 a copy per run side by side: plain, its twin, sparse_kv (ngram stops at 1)
+    rows = lc.kv_rows_needed([1, 32], ["ngram", "sparse_kv"], {"ngram": 1})
+    assert rows == 32 + 3 * 32 and lc.kv_rows_needed([1, 32], ["ngram", "sparse_kv"]) == 32 + 4 * 32
+    assert lc.kv_rows_needed([1, 2], ["ngram"] * 3, {"ngram": 1}) == 2 + 5  # batch 1's five runs outweigh batch 2's
+    need = rows * (4096 + 8 + 3 + 1) * per_token
     with pytest.raises(ValueError, match=rf"context=4096 at batch=32 needs {need / 2**30:.1f} GiB"):
-        lc.check_memory(tiny, [4096], [1, 32], max_new_tokens=8, max_k=3, available=int(need))
-    lc.check_memory(tiny, [4096], [1, 32], max_new_tokens=8, max_k=3, available=int(2 * need))
+        lc.check_memory(tiny, [4096], [1, 32], max_new_tokens=8, max_k=3, drafters=["ngram", "sparse_kv"],
+                        max_batch={"ngram": 1}, available=int(need))
+    lc.check_memory(tiny, [4096], [1, 32], max_new_tokens=8, max_k=3, drafters=["ngram", "sparse_kv"],
+                    max_batch={"ngram": 1}, available=int(2 * need))
 
 
 def test_bad_grid_names_the_parameter():

@@ -7,6 +7,8 @@ prefill included) and the roofline columns of `bandwidth.add_roofline`.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from decodelab.core.engine import generate
 from decodelab.core.models import available_dtypes, load_model
 from decodelab.quickstart import bandwidth, bench
@@ -77,8 +79,9 @@ def head_to_head(model_name: str, dtypes: list[str], max_new_tokens: int, *, rou
     between two dtypes' sweeps does not enter their ratio. Greedy, EOS off, prefill included, as the sweep.
 
     -> one row per dtype {dtype, batch, ours_tokens_per_s (new tokens / fastest call), seconds, seconds_max,
-    spread (slowest / fastest - 1), rounds, same_tokens (every call returned the same tokens)}; feed the
-    rows to `speedup_over`. loaded: an already loaded model, reused for its dtype.
+    spread (slowest / fastest - 1), rounds, round_seconds (one per round, in round order), new_tokens,
+    same_tokens (every call returned the same tokens)}; feed the rows to `paired_speedup` (or to
+    `speedup_over`, which compares fastest calls). loaded: an already loaded model, reused for its dtype.
     """
     from decodelab.common.timing import alternating_times
 
@@ -100,5 +103,23 @@ def head_to_head(model_name: str, dtypes: list[str], max_new_tokens: int, *, rou
         new_tokens = sum(len(row) for row in tokens[name][-1])
         rows.append({"dtype": name, "batch": batch, "ours_tokens_per_s": new_tokens / min(seconds),
                      "seconds": min(seconds), "seconds_max": max(seconds), "spread": max(seconds) / min(seconds) - 1,
-                     "rounds": rounds, "same_tokens": all(t == tokens[name][0] for t in tokens[name])})
+                     "rounds": rounds, "round_seconds": [float(x) for x in seconds], "new_tokens": new_tokens,
+                     "same_tokens": all(t == tokens[name][0] for t in tokens[name])})
     return rows
+
+
+def paired_speedup(rows: list[dict], dtype: str, base: str = "float32", batch: int = 1) -> float:
+    """`head_to_head` rows -> the median over rounds of `dtype`'s tokens/s over `base`'s in the same round
+    (nan when either is missing). The two calls of a round run back to back, so a change in the machine's
+    speed between rounds lands on both; the fastest calls of the two (`speedup_over`) may come from
+    different rounds, and on a shared host whose speed moves by tens of percent within a minute their ratio
+    moves with it."""
+    by = {(r["dtype"], r["batch"]): r for r in rows}
+    if (dtype, batch) not in by or (base, batch) not in by:
+        return float("nan")
+    a, b = by[(dtype, batch)], by[(base, batch)]
+    if len(a["round_seconds"]) != len(b["round_seconds"]):
+        raise ValueError(f"{dtype} ran {len(a['round_seconds'])} rounds and {base} {len(b['round_seconds'])}: "
+                         "not one head-to-head")
+    rates = [(a["new_tokens"] / sa) / (b["new_tokens"] / sb) for sa, sb in zip(a["round_seconds"], b["round_seconds"])]
+    return float(np.median(rates))

@@ -2,7 +2,8 @@
 
 One verify forward of T tokens per row is timed at a fixed context (the cache rolled back after each
 call, so every call sees the same context); the widths are timed interleaved (1, 2, ..., k, k, ..., 1)
-and each keeps its fastest call. `core.verify_width.cheapest_widths` turns those costs (padding only
+and each keeps its fastest call. Whether a wider T ran cheaper is judged per round, T beside T + 1
+(`paired_dips`). `core.verify_width.cheapest_widths` turns those costs (padding only
 past a 5% noise margin) into the {T: W} table `verify_step(widths=...)` uses; it is stored once per
 machine under the model cache dir.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from decodelab.common.timing import alternating_times
@@ -25,9 +27,10 @@ def check_widths_args(max_width: int, context: int, batch: int, repeats: int) ->
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
 
 
-def verify_costs(model, max_width: int, *, context: int = 256, batch: int = 1, repeats: int = 5,
-                 widths: dict[int, int] | None = None) -> dict[int, float]:
-    """{T: fastest seconds of one verify forward of T tokens per row} for T = 1..max_width.
+def verify_times(model, max_width: int, *, context: int = 256, batch: int = 1, repeats: int = 5,
+                 widths: dict[int, int] | None = None) -> dict[int, list[float]]:
+    """{T: seconds of one verify forward of T tokens per row, one per round} for T = 1..max_width, the widths
+    interleaved (`timing.alternating_times`: T and T + 1 run next to each other in every round).
 
     The context is `context` cached positions per row (token ids cycling through the vocabulary);
     widths: run each T through `verify_step(widths=...)` (the padded path) instead of at T itself."""
@@ -44,8 +47,23 @@ def verify_costs(model, max_width: int, *, context: int = 256, batch: int = 1, r
             cache.truncate(base)
         return run
 
-    times = alternating_times({t: call(t) for t in range(1, max_width + 1)}, repeats, tr.device)
-    return {t: min(seconds) for t, seconds in times.items()}
+    return alternating_times({t: call(t) for t in range(1, max_width + 1)}, repeats, tr.device)
+
+
+def verify_costs(model, max_width: int, **options) -> dict[int, float]:
+    """{T: fastest seconds of one verify forward of T tokens per row}: `verify_times`' fastest round per T."""
+    return {t: min(seconds) for t, seconds in verify_times(model, max_width, **options).items()}
+
+
+def paired_dips(times: dict[int, list[float]]) -> dict[int, float]:
+    """{T: median over rounds of seconds(T) / seconds(T + 1) - 1} for every T but the largest (> 0: the wider
+    T + 1 was cheaper). The two forwards of a pair run next to each other in each round, so a shift in the
+    machine's speed between rounds lands on both; the fastest call of each T, by contrast, may come from
+    different rounds (this shared host's speed moved ~30% within a minute: one width's fastest of 15 calls read
+    33 to 48 ms from one measurement to the next), and their ratio then measures the machine, not the widths."""
+    ts = sorted(times)
+    return {t: float(np.median(np.asarray(times[t], dtype=float) / np.asarray(times[u], dtype=float))) - 1.0
+            for t, u in zip(ts, ts[1:])}
 
 
 def calibrated_widths(model, *, name: str, max_width: int = 9, context: int = 256, batch: int = 1,
@@ -65,14 +83,25 @@ def calibrated_widths(model, *, name: str, max_width: int = 9, context: int = 25
 
 def before_after_table(model, max_width: int, *, context: int = 256, batch: int = 1, repeats: int = 5) -> list[dict]:
     """Per T: the plain verify cost, the width it pads to, and the padded cost (measured again, padded):
-    rows {tokens, plain_ms, width, padded_ms}. The padded column is monotone up to timing noise."""
+    rows {tokens, plain_ms, width, padded_ms, padded_dip}. ms columns: the fastest round; padded_dip: how much
+    cheaper T + 1 ran than T padded, paired by round (`paired_dips`; None for the largest T). The padded
+    column is monotone up to timing noise."""
     plain = verify_costs(model, max_width, context=context, batch=batch, repeats=repeats)
     widths = cheapest_widths(plain)
-    padded = verify_costs(model, max_width, context=context, batch=batch, repeats=repeats, widths=widths)
-    return [dict(tokens=t, plain_ms=plain[t] * 1e3, width=widths[t], padded_ms=padded[t] * 1e3) for t in plain]
+    padded_times = verify_times(model, max_width, context=context, batch=batch, repeats=repeats, widths=widths)
+    dips = paired_dips(padded_times)
+    return [dict(tokens=t, plain_ms=plain[t] * 1e3, width=widths[t], padded_ms=min(padded_times[t]) * 1e3,
+                 padded_dip=dips.get(t)) for t in plain]
+
+
+def worst_dip(rows: list[dict]) -> float:
+    """The largest paired dip of `before_after_table`'s rows, 0 when no wider T ran cheaper."""
+    return max([0.0] + [r["padded_dip"] for r in rows if r["padded_dip"] is not None])
 
 
 def markdown_widths(rows: list[dict]) -> str:
-    lines = ["| tokens per row T | verify ms (T as is) | runs at width | verify ms (padded) |", "|---|---|---|---|"]
-    lines += [f"| {r['tokens']} | {r['plain_ms']:.1f} | {r['width']} | {r['padded_ms']:.1f} |" for r in rows]
+    lines = ["| tokens per row T | verify ms (T as is) | runs at width | verify ms (padded) "
+             "| T + 1 cheaper by (paired rounds, median) |", "|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} | {r['plain_ms']:.1f} | {r['width']} | {r['padded_ms']:.1f} | "
+              + ("" if r.get("padded_dip") is None else f"{r['padded_dip']:.1%}") + " |" for r in rows]
     return "\n".join(lines)

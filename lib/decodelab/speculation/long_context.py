@@ -4,9 +4,10 @@ every smaller batch takes its first rows, so the sweep's time goes to decoding.
 
 Speedup = plain decode seconds / speculative decode seconds for the same rows and the same number of tokens
 (greedy, no early EOS: both emit exactly max_new_tokens per row, and the test `matches_plain` checks they emit
-the same ones). Methods are interleaved within a repeat (plain, A, B, plain, A, B, ...) and each repeat is one
-round of paired runs; the CI is `speedup_stats.pooled_speedup_intervals` over the rounds (a t interval on paired
-log ratios, the round noise pooled over the drafters of a cell whose runs are of like length; none with one round).
+the same ones). A cell's runs (plain, each drafter, plain's A/A twin) are stepped side by side in each repeat
+(`bench.run_methods`), and each repeat is one round of paired runs; the CI is
+`speedup_stats.pooled_speedup_intervals` over the rounds (a t interval on paired log ratios, the round noise pooled
+over the runs of a cell of like length; none with one round).
 """
 from __future__ import annotations
 
@@ -20,15 +21,22 @@ from decodelab.common.goals import Goal
 from decodelab.core.engine import as_transformer
 from decodelab.core.kv_cache import check_sink_window
 from decodelab.core.models import cast_model
+from decodelab.speculation.bench import run_methods
 from decodelab.speculation.decode import Prefilled, generate
 from decodelab.speculation.drafters import make_drafter
 from decodelab.speculation.sparse_draft import DEFAULT_SINK, DEFAULT_WINDOW, SparseKVDrafter, prefill_once
-from decodelab.speculation.speedup_stats import pooled_speedup_intervals
 from decodelab.workloads.long_context import long_context_workload
 
-WARMUP_TOKENS = 4  # new tokens of the dropped warm-up round: a draft and a verify step of each run, at a fraction of
-# a timed round's cost
-KV_COPIES = 1  # the largest batch's prefill (smaller batches are views of its rows; the sparse draft keeps a ring)
+WARMUP_TOKENS = 4  # new tokens of each run's dropped warm-up: a draft and a verify step, a fraction of a round's cost
+
+
+def kv_rows_needed(batches, drafters=(), max_batch: dict | None = None) -> int:
+    """Cache rows alive at once at the sweep's peak: the largest batch's prefill (smaller batches are views of its
+    rows; the sparse draft keeps a small ring) plus, in the cell that needs most, one copy of the cell's rows per
+    run stepped side by side (plain, its A/A twin and each drafter running at that batch)."""
+    max_batch = max_batch or {}
+    runs = {b: 2 + sum(b <= max_batch.get(d, b) for d in drafters) for b in batches}
+    return max(batches) + max(b * n for b, n in runs.items())
 
 
 def kv_bytes_per_token(model) -> int:
@@ -49,18 +57,21 @@ def available_bytes() -> int:
     return 0
 
 
-def check_memory(model, contexts, batches, *, max_new_tokens: int, max_k: int, available: int | None = None) -> None:
-    """ValueError naming the context and batch when their KV caches (KV_COPIES copies) do not fit in memory."""
+def check_memory(model, contexts, batches, *, max_new_tokens: int, max_k: int, drafters=(),
+                 max_batch: dict | None = None, available: int | None = None) -> None:
+    """ValueError naming the context and batch when their KV caches (`kv_rows_needed` rows) do not fit in memory."""
     available = available_bytes() if available is None else available
     if not available:
         return
     per_token = kv_bytes_per_token(model)
+    rows = kv_rows_needed(batches, drafters, max_batch)
     for context in contexts:
-        need = KV_COPIES * max(batches) * (context + max_new_tokens + max_k + 1) * per_token
+        need = rows * (context + max_new_tokens + max_k + 1) * per_token
         if need > 0.8 * available:
             raise ValueError(f"context={context} at batch={max(batches)} needs {need / 2**30:.1f} GiB of KV cache "
-                             f"({KV_COPIES} copies x {per_token / 1024:.0f} KB per token per row), but only "
-                             f"{available / 2**30:.1f} GiB is available (80% usable): lower the batch or the context")
+                             f"({rows} rows alive at once: the prefill and a copy per run stepped side by side, x "
+                             f"{per_token / 1024:.0f} KB per token per row), but only {available / 2**30:.1f} GiB "
+                             "is available (80% usable): lower the batch, the context or the drafters")
 
 
 def check_grid(contexts, batches, drafters, k, max_batch=None) -> None:
@@ -108,15 +119,22 @@ def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_to
                        sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW, task: str = "edit",
                        max_batch: dict | None = None, sparse_dtype=None, progress: bool = False) -> list[dict]:
     """-> one row per (context, batch, drafter): {context, batch, drafter, k, speedup, speedup_low,
-    speedup_high, ratios, plain_s, spec_s (min over repeats), tau, draft_s, verify_s, steps, draft_s_per_token,
+    speedup_high, ratios, plain_s, spec_s (fastest round), tau, draft_s, verify_s, steps, draft_s_per_token,
     matches_plain} (the fields `heldout.validate` reads, so the roofline can be judged on held-out cells).
     max_batch: {drafter: the largest batch it runs at} (CPU time); absent drafters run at every batch.
-    sparse_dtype: the sparse-KV self-draft's weights in this dtype (`models.cast_model`; None: the target's)."""
+    sparse_dtype: the sparse-KV self-draft's weights in this dtype (`models.cast_model`; None: the target's).
+
+    Each cell's runs go through `bench.run_methods`: a warm-up of every run (WARMUP_TOKENS, dropped), then
+    `repeats` rounds in which plain, each drafter and plain's A/A twin advance one step in turn, each on its
+    own copy of the prefill's rows (`kv_rows_needed`). Stepped side by side, a shift in the machine's speed
+    lands on every run of the round alike, where whole runs back to back (seconds each) took it unevenly; the
+    twin gives the cell's noise floor and more degrees of freedom to its interval (`speedup_stats`)."""
     check_grid(contexts, batches, drafters, k, max_batch)
     max_batch = max_batch or {}
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"long_repeats={repeats!r} must be an int >= 1")
-    check_memory(model, contexts, batches, max_new_tokens=max_new_tokens, max_k=k)
+    check_memory(model, contexts, batches, max_new_tokens=max_new_tokens, max_k=k, drafters=drafters,
+                 max_batch=max_batch)
     sparse_model = model
     if "sparse_kv" in drafters and sparse_dtype is not None:  # a bad dtype fails here, before any forward
         sparse_model = cast_model(model, sparse_dtype)
@@ -132,27 +150,21 @@ def long_context_sweep(model, *, contexts, batches, drafters, k: int, max_new_to
             here = [d for d in drafters if batch <= max_batch.get(d, batch)]
             made = {d: (SparseKVDrafter(sparse_model, sink=sink, window=window).share(pre.cache) if d == "sparse_kv"
                         else make_drafter(d, model)) for d in here}
-            runs = {name: [] for name in ["plain", *here]}
-            for rnd in range(repeats + 1):  # round 0 warms up (every code path, a few tokens) and is dropped
-                for name in runs:
-                    drafter = made.get(name)
-                    out = generate(model, drafter=drafter, k=k if drafter else 0, prefilled=pre, eos_token_ids=[],
-                                   max_new_tokens=min(WARMUP_TOKENS, max_new_tokens) if rnd == 0 else max_new_tokens)
-                    runs[name].append(out)
-            timed = {name: [([len(out.tokens[0]) * batch], [out.stats.decode_s]) for out in outs[1:]]
-                     for name, outs in runs.items()}
-            intervals = pooled_speedup_intervals(timed["plain"], [timed[d] for d in here])
-            plain = [r.stats.decode_s for r in runs["plain"][1:]]
-            for d, (low, high) in zip(here, intervals):
-                spec = [r.stats.decode_s for r in runs[d][1:]]
-                ratios = [p / s for p, s in zip(plain, spec)]
-                last = runs[d][-1].stats
-                rows.append({"context": context, "batch": batch, "drafter": d, "k": k,
-                             "speedup": min(plain) / min(spec), "speedup_low": low, "speedup_high": high,
-                             "ratios": ratios, "plain_s": min(plain), "spec_s": min(spec),
-                             "tau": last.tau, "draft_s": sum(last.draft_s), "verify_s": sum(last.verify_s),
-                             "steps": len(last.step_s), "draft_s_per_token": sum(last.draft_s) / (k * len(last.step_s)),
-                             "matches_plain": runs[d][-1].tokens == runs["plain"][-1].tokens})
+            for name in [None, *here]:  # warm every code path (a few tokens each); run_methods warms plain only
+                generate(model, drafter=made.get(name), k=k if name else 0, prefilled=pre, eos_token_ids=[],
+                         max_new_tokens=min(WARMUP_TOKENS, max_new_tokens))
+            out = run_methods(model, pre.prompts, [(d, lambda d=d: made[d], k) for d in here],
+                              max_new_tokens=max_new_tokens, eos_token_ids=[], repeats=repeats, prefilled=pre,
+                              warmup=False)
+            plain = out[0]
+            for r in out[1:]:
+                rows.append({"context": context, "batch": batch, "drafter": r["drafter"], "k": k,
+                             "speedup": r["speedup"], "speedup_low": r["speedup_low"],
+                             "speedup_high": r["speedup_high"], "ratios": r["round_speedups"],
+                             "plain_s": plain["decode_s"], "spec_s": r["decode_s"], "tau": r["tau"],
+                             "draft_s": r["draft_s"], "verify_s": r["verify_s"], "steps": r["steps"],
+                             "draft_s_per_token": r["draft_s"] / (k * r["steps"]),
+                             "matches_plain": r["tokens"] == plain["tokens"]})
             if progress:
                 print(f"context {context} batch {batch}: " + ", ".join(
                     f"{r['drafter']} {r['speedup']:.2f}x" for r in rows[-len(here):]), flush=True)
