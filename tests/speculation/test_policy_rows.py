@@ -145,6 +145,21 @@ def test_interleaved_runs_report_a_speedup_interval_around_the_fastest_round(tin
     assert rows[1]["tokens"] == rows[0]["tokens"]
 
 
+def test_intervals_read_the_rounds_with_interrupted_steps_capped(tiny, monkeypatch):
+    seen = []
+
+    def fake_cap(rounds):  # every run's rounds pass through the cap once; a slower clock is what it hands on
+        seen.append(len(rounds))
+        return [(tokens, [2 * s for s in seconds]) for tokens, seconds in rounds], 7
+
+    monkeypatch.setattr(speculative_bench, "cap_interruptions", fake_cap)
+    rows = speculative_bench.run_methods(tiny, _prompts()[:2], [("ngram", NGramDrafter, 2)], max_new_tokens=6,
+                                         eos_token_ids=[], repeats=3)
+    assert seen == [3, 3, 3]  # plain, ngram, plain's twin
+    assert [r["capped_steps"] for r in rows] == [14, 7]  # plain's row counts its twin's too
+    assert all(r["speedup_low"] <= r["speedup_high"] for r in rows)
+
+
 def test_a_single_round_reports_no_interval(tiny):
     rows = speculative_bench.run_methods(tiny, _prompts()[:2], [("ngram", NGramDrafter, 2)], max_new_tokens=4,
                                          eos_token_ids=[], repeats=1, warmup=False, aa_check=False)

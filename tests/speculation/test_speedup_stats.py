@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from decodelab.speculation.speedup_stats import (
+    SPIKE,
+    cap_interruptions,
     log_ratio_interval,
     pooled_speedup_intervals,
     round_rates,
@@ -139,3 +141,25 @@ def test_plain_twin_joins_the_reference_keeping_coverage_with_a_narrower_interva
     assert np.median(ratios) == pytest.approx(math.sqrt(3 / 4), abs=0.05)
     with pytest.raises(ValueError, match="per method and twin"):
         pooled_speedup_intervals(_rounds([1.0, 1.0]), [_rounds([1.0, 1.0])], plain_twins=[_rounds([1.0])])
+
+
+def test_cap_interruptions_caps_one_step_of_one_round_and_keeps_drift():
+    tokens = [1, 2, 1]
+    rounds = [(tokens, [1.0, 1.0, 1.0]), (tokens, [1.1, 1.1, 1.1]), (tokens, [1.0, 3.0, 1.0]),
+              (tokens, [1.0, 1.0, 0.9])]
+    capped, n = cap_interruptions(rounds)
+    assert n == 1
+    # step 2's median over the rounds is 1.05: the 3 s step is capped at 1.25 x that, the rest (a whole round 10%
+    # slower, a step 10% faster) stays as measured
+    assert capped[2][1] == pytest.approx([1.0, (1 + SPIKE) * 1.05, 1.0])
+    assert [c[1] for c in capped[:2]] + [capped[3][1]] == [[1.0, 1.0, 1.0], [1.1, 1.1, 1.1], [1.0, 1.0, 0.9]]
+    assert [c[0] for c in capped] == [tokens] * 4
+
+
+def test_cap_interruptions_leaves_runs_whose_rounds_differ_or_are_too_few():
+    differ = [([1, 2], [1.0, 1.0]), ([2, 1], [1.0, 1.0]), ([1, 2], [1.0, 5.0])]  # another step sequence
+    assert cap_interruptions(differ) == (differ, 0)
+    two = [([1], [1.0]), ([1], [9.0])]  # a median of two would be raised by the interrupted step itself
+    assert cap_interruptions(two) == (two, 0)
+    with pytest.raises(ValueError, match="spike"):
+        cap_interruptions(differ, spike=-0.1)

@@ -16,7 +16,7 @@ import torch
 from decodelab.common.timing import timed
 from decodelab.core.engine import as_transformer, drive, side_by_side, verify_step  # noqa: F401  (bench.side_by_side)
 from decodelab.speculation.decode import Prefilled, SpecStats, generate, generate_steps, prefill
-from decodelab.speculation.speedup_stats import pooled_speedup_intervals, round_rates
+from decodelab.speculation.speedup_stats import cap_interruptions, pooled_speedup_intervals, round_rates
 
 
 @torch.inference_mode()
@@ -108,13 +108,15 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
     Each method keeps its fastest round (least decode time); `speedup` = its decode tokens/s over plain's
     fastest round's. The interval (`speedup_stats.pooled_speedup_intervals`) pairs a method's run with plain's
     run of the same round, its noise scale pooled over the batch's runs; it needs repeats >= 2 (else None).
+    Intervals and round ratios read the rounds with interrupted steps capped (`speedup_stats.cap_interruptions`,
+    every run alike; `capped_steps` counts them per row); the fastest round is as measured.
     aa_check: plain's second run per round gives plain's own row the interval of plain vs itself (an A/A
     check: it should cover 1 and be narrow; its width is the noise floor), and joins plain's first run as
     each round's reference for the methods' intervals (both are plain: their mean is a better reference
     than either; a method's interval is then sqrt(3/4) of the A/A's width at the same noise).
     -> one row per method (+ "plain" first) with SpecStats fields of that round, `speedup`, `speedup_low`,
     `speedup_high`, `round_speedups` (the paired per-round ratios: plain's row its twin over plain, a
-    method's over the round's reference), `repeats`, and `tokens` (new tokens
+    method's over the round's reference), `repeats`, `capped_steps`, and `tokens` (new tokens
     per row, to check greedy equality; identical across rounds when greedy).
     """
     if not isinstance(repeats, int) or repeats < 1:
@@ -150,6 +152,7 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
             if best[i] is None or res.stats.decode_s < best[i].stats.decode_s:
                 best[i] = res
     plain_tps = best[0].stats.decode_tokens_per_s
+    rounds, capped = map(list, zip(*(cap_interruptions(r) for r in rounds)))
     plain_rates = round_rates(rounds[0])
     # the methods' per-round reference, as in their intervals: plain's rate, or its geometric mean with the twin's
     reference = np.sqrt(plain_rates * round_rates(rounds[-1])) if aa_check else plain_rates
@@ -166,6 +169,7 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
         out.append(_row(res.stats, batch=B, drafter=name, k="adaptive" if callable(k) else k, repeats=repeats,
                         speedup=res.stats.decode_tokens_per_s / plain_tps, speedup_low=low, speedup_high=high,
                         round_speedups=(round_rates(paired) / (reference if i else plain_rates)).tolist(),
+                        capped_steps=capped[i] + (capped[-1] if i == 0 and aa_check else 0),
                         row_k=res.stats.row_k, tokens=res.tokens))
     return out
 

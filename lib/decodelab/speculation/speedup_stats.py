@@ -40,6 +40,15 @@ Both are runs of the same method, so the reference of round r is their mean log 
 difference then carries the noise of one run plus half of one, s^2 (1 + 1/P) per round with P plain runs,
 instead of 2 s^2 (half-width x sqrt(3/4) at P = 2). The twin still gives plain's own A/A interval (plain
 vs twin, both single runs), and it enters each stratum's table as one more full-length row.
+
+Interrupted steps (`cap_interruptions`). Measured at batch 1 (8 rounds of 31 steps of ~43 ms), a run's step
+now and then took 60-75 ms, 1.4-1.8x the same step in its other rounds: another process or an interrupt took
+the core for one step of one run, and one such step moves that run's round by 1-2%, the whole margin a "never
+loses" bound at 0.98 has. Where every round of a run took the same steps (the same tokens per step: greedy
+decoding of fixed prompts does), each step's seconds are capped at (1 + SPIKE) times that step's median over
+the rounds before the rounds are summed, for every run alike (plain, its twin and the methods). The cap leaves
+a round's drift (a whole round 9% slower moves every step by about that much) and anything a run pays at the
+same step in every round; it takes only what lands on one step of one run in one round.
 """
 from __future__ import annotations
 
@@ -47,6 +56,23 @@ import math
 
 import numpy as np
 from scipy import stats as scipy_stats
+
+SPIKE = 0.25  # a step slower than (1 + SPIKE) x its median over the rounds was interrupted (module docstring)
+
+
+def cap_interruptions(rounds: list[tuple[list, list]], spike: float = SPIKE) -> tuple[list[tuple[list, list]], int]:
+    """One run's rounds (step_tokens, step_seconds) -> (the same with each step's seconds capped at (1 + spike)
+    times that step's median over the rounds, the number of steps capped). Unchanged (0 capped) unless every
+    round took the same steps (same count, same tokens per step) and there are at least 3 rounds (a median of
+    two is their mean: one interrupted step would raise its own cap)."""
+    if spike < 0:
+        raise ValueError(f"spike={spike!r} must be >= 0")
+    if len(rounds) < 3 or len({tuple(tokens) for tokens, _ in rounds}) != 1:
+        return rounds, 0
+    seconds = np.asarray([s for _, s in rounds], dtype=float)  # (rounds, steps)
+    cap = (1 + spike) * np.median(seconds, axis=0)
+    capped = np.minimum(seconds, cap)
+    return [(list(tokens), row.tolist()) for (tokens, _), row in zip(rounds, capped)], int((seconds > cap).sum())
 
 
 def round_rates(rounds: list[tuple[list, list]]) -> np.ndarray:

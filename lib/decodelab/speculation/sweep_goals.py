@@ -3,6 +3,7 @@ transformers side by side (`bench.hf_side_by_side`) and the roofline's validatio
 from __future__ import annotations
 
 from decodelab.speculation.bench import K0_TRIM
+from decodelab.speculation.speedup_stats import SPIKE
 
 # The notebook's stated goals: name -> (op, target). Targets are defined once, here.
 GOAL_TARGETS = {
@@ -99,7 +100,8 @@ def never_loses_goals(rows: list[dict], *, drafters, goal) -> list:
                               else "no interval: the sweep needs >= 2 timing rounds (sweep_repeats)" if worst is None
                               else f"worst batch {worst['batch']} of {[r['batch'] for r in cells]}; paired by "
                                    f"{worst['repeats']} interleaved rounds, noise pooled over the batch's runs of "
-                                   "like length")))
+                                   f"like length, {worst.get('capped_steps', 0)} interrupted steps of its runs "
+                                   "capped")))
         fractions = [(r["speedup"] / b, r["batch"]) for r in cells
                      if (b := best_speedup(rows, d, r["batch"])) is not None and b > 0]
         low = min(fractions) if fractions else None
@@ -140,6 +142,9 @@ def noise_sentence(rows: list[dict]) -> str:
         return (f"No speedup intervals: the sweep ran {rounds} timing round(s) per batch; an interval over rounds "
                 "needs at least 2.")
     cells = ", ".join(f"batch {r['batch']} [{r['speedup_low']:.3f}, {r['speedup_high']:.3f}]" for r in bounded)
+    capped = sum(r.get("capped_steps", 0) for r in rows)
     return (f"Noise floor: plain decoding against itself (A/A, {bounded[0]['repeats']} interleaved rounds, noise "
             f"pooled over the batch's runs of like length) gives 95% intervals {cells}; a method as long as plain gets "
-            "sqrt(3/4) of that width, its reference being the mean of plain's two runs per round.")
+            "sqrt(3/4) of that width, its reference being the mean of plain's two runs per round. Steps taking more "
+            f"than {1 + SPIKE:.2f}x their median over the rounds were capped there before the rounds were summed "
+            f"(interrupted: {capped} steps over the sweep's runs).")
