@@ -27,22 +27,28 @@ PAD_MARGIN = 0.05  # pad only when the wider forward is >= 5% cheaper: smaller g
 
 
 def cheapest_widths(costs: dict[int, float], margin: float = PAD_MARGIN) -> dict[int, int]:
-    """Measured cost per width {T: seconds} -> {T: W}, W the cheapest measured width >= T (ties: the smallest),
-    kept only when cost(W) < (1 - margin) * cost(T), else T itself.
+    """Measured cost per width {T: seconds} -> {T: W}: W the smallest width >= T whose cost is within `margin` of
+    the cheapest width >= T, kept only when cost(W) < (1 - margin) * cost(T), else T itself.
 
-    The padded cost is then the suffix minimum min_{W >= T} cost(W), non-decreasing in T, except where
-    a width stays unpadded because its gain was within the margin: there it is at most cost(W) / (1 - margin)."""
+    Widths within the margin of the cheapest are alike up to timing noise, so the smallest of them is taken:
+    fewer padded positions, and the choice does not follow noise (measured here: T = 3 padded past width 4 to
+    width 5 because width 5's fastest call was 1% below width 4's, while T = 4 stayed at width 4; the padded
+    costs then dipped 5.5% from T = 3 to T = 4, as width 4 ran cheaper than width 5 in the paired rounds).
+    With margin 0 this is the cheapest width >= T (ties: the smallest), whose cost, the suffix minimum, is
+    non-decreasing in T. With a margin the padded cost is within (1 + margin) of that suffix minimum, or
+    unpadded where padding would gain less than the margin."""
     widths = sorted(costs)
     if not widths or widths[0] < 1:
         raise ValueError(f"costs must map widths >= 1 to seconds; got widths {widths}")
     if not 0 <= margin < 1:
         raise ValueError(f"margin={margin!r} must be in [0, 1)")
-    table, best = {}, None
-    for width in reversed(widths):
-        if best is None or costs[width] < costs[best]:
-            best = width
-        table[width] = best if costs[best] < (1 - margin) * costs[width] else width
-    return dict(sorted(table.items()))
+    table = {}
+    for t in widths:
+        later = [w for w in widths if w >= t]
+        floor = min(costs[w] for w in later)
+        near = min(w for w in later if costs[w] <= (1 + margin) * floor)
+        table[t] = near if costs[near] < (1 - margin) * costs[t] else t
+    return table
 
 
 def padded_width(n_tokens: int, widths: dict[int, int] | None, cache) -> int:
