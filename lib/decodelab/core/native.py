@@ -31,7 +31,9 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 # these kernels share their rows among OpenMP threads: linked to libgomp.so.1, they use the runtime torch has
 # already loaded (one thread pool, torch.set_num_threads applies)
-EXTRA_FLAGS = {name: ("-fopenmp",) for name in ("linear_kernel", "nucleus_kernel", "draw_kernel", "amx_kernel")}
+# (the norm kernel rounds as torch's separate ops do: no fused multiply-adds)
+EXTRA_FLAGS = {**{name: ("-fopenmp",) for name in ("linear_kernel", "nucleus_kernel", "draw_kernel", "amx_kernel")},
+               "norm_kernel": ("-fopenmp", "-ffp-contract=off")}
 
 
 def cache_dir() -> Path:
