@@ -80,6 +80,7 @@ def test_before_after_table_reports_the_padded_width(model, monkeypatch):
     dips = [r["padded_dip"] for r in rows]
     assert dips[4] == pytest.approx(71 / 79 - 1) and dips[5] == pytest.approx(79 / 78 - 1) and dips[-1] is None
     assert verify_widths.worst_dip(rows) == pytest.approx(max(d for d in dips if d is not None))
+    assert verify_widths.worst_dip_of_minima(rows) == pytest.approx(79 / 78 - 1)  # padded 79 -> 78 ms at T = 6 -> 7
 
 
 def test_paired_dips_pair_each_round_so_one_lucky_call_does_not_fake_a_dip():
