@@ -31,9 +31,9 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 # these kernels share their rows among OpenMP threads: linked to libgomp.so.1, they use the runtime torch has
 # already loaded (one thread pool, torch.set_num_threads applies)
-# (the norm kernel rounds as torch's separate ops do: no fused multiply-adds)
+# (the norm and RoPE kernels round as torch's separate ops do: no fused multiply-adds)
 EXTRA_FLAGS = {**{name: ("-fopenmp",) for name in ("linear_kernel", "nucleus_kernel", "draw_kernel", "amx_kernel")},
-               "norm_kernel": ("-fopenmp", "-ffp-contract=off")}
+               **{name: ("-fopenmp", "-ffp-contract=off") for name in ("norm_kernel", "rope_kernel")}}
 
 
 def cache_dir() -> Path:

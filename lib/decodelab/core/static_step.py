@@ -27,7 +27,8 @@ import warnings
 import torch
 
 from decodelab.core.kv_cache import KVCache, grouped_mask
-from decodelab.core.transformer import Transformer, rotate_half
+from decodelab.core.native_rope import rotate_half
+from decodelab.core.transformer import Transformer
 
 
 def static_visible(lengths: torch.Tensor, max_len: int) -> torch.Tensor:

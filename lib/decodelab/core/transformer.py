@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from decodelab.core import native_norm
+from decodelab.core import native_norm, native_rope
 from decodelab.core.kv_cache import AttentionCache, ForwardPlan, KVCache
 from decodelab.core.packed_linear import PackedLinears, packing_available
 
@@ -55,11 +55,6 @@ def check_supported(config) -> None:
             f"{config.max_position_embeddings}); decodelab's engine attends over the whole cache and would decode "
             "it wrongly. Allowed: models without a sliding window, or with a window >= max_position_embeddings"
         )
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 # transformers' RMSNorm of the supported families: weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)
@@ -152,8 +147,9 @@ class Transformer(torch.nn.Module):
             qk = torch.cat([attn.q_norm(q), attn.k_norm(k)], dim=2)
         qk = qk.transpose(1, 2)
         # RoPE: x * cos + rotate_half(x) * sin, with cos/sin (B, 1, T, D) for each row's own positions, on q
-        # and k at once (half the small ops of two calls, the same numbers).
-        qk = qk * cos + rotate_half(qk) * sin
+        # and k at once (half the small ops of two calls, the same numbers); on CPU in one C call (`native_rope`).
+        rotated = native_rope.rope(qk, cos, sin)
+        qk = rotated if rotated is not None else native_rope.reference(qk, cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
         out = cache.attend(slot, q, k, v, plan).transpose(1, 2).reshape(batch, n_new, self.n_heads * self.head_dim)
         return self.linear(attn.o_proj, out if rows is None else out.index_select(0, rows))

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodelab.core.native_rope import rotate_half
 from decodelab.core.packed_linear import PackedLinears
-from decodelab.core.transformer import gated_mlp, head_dim_of, rotate_half
+from decodelab.core.transformer import gated_mlp, head_dim_of
 
 STYLES = ("gloeckle", "deepseek")
 
