@@ -47,3 +47,28 @@ def test_a_model_drafter_begun_again_on_the_same_prompts_reuses_its_prompt_cache
     assert torch.equal(reused.propose(ctx, 3).tokens, fresh.propose(ctx, 3).tokens)
     reused.begin(grown, max_len=40)  # other prompts: prefilled anew
     assert calls and reused.cache.lengths.tolist() == [len(p) for p in grown]
+
+
+def test_drafters_sharing_prefills_copy_one_prefill_of_the_same_model_layers_and_prompts(tiny, monkeypatch):
+    prompts = _prompts()
+    prefills = {}
+    first, second = (LayerSkipDrafter(tiny, layers=[0, 2]).share_prefills(prefills) for _ in range(2))
+    other_layers = LayerSkipDrafter(tiny, layers=[0, 1]).share_prefills(prefills)
+    fresh = LayerSkipDrafter(tiny, layers=[0, 2])
+    first.begin(prompts, max_len=40)
+    first.propose(DraftContext(tokens=[p + [7, 8, 9] for p in prompts]), 3)  # dirties its cache past the prompts
+    calls = []
+    forward = type(first.tr).forward
+    monkeypatch.setattr(first.tr, "forward", lambda *a, **kw: calls.append(1) or forward(first.tr, *a, **kw))
+    second.begin(prompts, max_len=40)
+    assert calls == [] and second.cache is not first.cache  # a copy: the two decode side by side
+    assert second.cache.lengths.tolist() == [len(p) for p in prompts]
+    other_layers.begin(prompts, max_len=40)  # another layer subset: its own prefill
+    assert calls
+    fresh.begin(prompts, max_len=40)
+    for b, p in enumerate(prompts):
+        n = len(p)
+        assert torch.equal(second.cache.keys[:, b, :, :n], fresh.cache.keys[:, b, :, :n])
+        assert torch.equal(second.cache.values[:, b, :, :n], fresh.cache.values[:, b, :, :n])
+    ctx = DraftContext(tokens=[p + [11] for p in prompts])
+    assert torch.equal(second.propose(ctx, 3).tokens, fresh.propose(ctx, 3).tokens)

@@ -257,6 +257,14 @@ class CachedModelDrafter(DrafterBase):
         self.name = name
         self.cache = None
         self._base: torch.Tensor | None = None
+        self.prefills: dict | None = None
+
+    def share_prefills(self, prefills: dict) -> "CachedModelDrafter":
+        """Take the prompt cache from `prefills` (a dict shared by drafters, of any kind, that may run the same
+        model and layers on the same prompts: a sweep's fixed-k and adaptive methods) when one of them has
+        prefilled these prompts, instead of prefilling again; it holds each (model, layers)'s latest prefill."""
+        self.prefills = prefills
+        return self
 
     def begin(self, prompts: list[list[int]], *, max_len: int) -> None:
         # the same prompts as the previous run (a sweep running several methods on one batch): the prompt
@@ -266,10 +274,21 @@ class CachedModelDrafter(DrafterBase):
         if self.cache is not None and getattr(self, "_prompts_key", None) == key:
             self.cache.truncate(self._prompt_lengths.clone())
             return
-        n_layers = len(self.layers) if self.layers is not None else None
-        self.cache = self.tr.new_cache(len(prompts), max_len + self.CATCHUP, n_layers=n_layers)
-        tokens, lengths = pad_prompts(prompts, self.tr.device)
-        extend(self.tr, self.cache, tokens, n_new=lengths, layers=self.layers, logits_at="none")
+        shared_key = (id(self.tr), None if self.layers is None else tuple(self.layers))
+        held = None if self.prefills is None else self.prefills.get(shared_key)
+        if held is not None and held[0] == key:
+            # another drafter's cache of the same model, layers and prompts, maybe mid-decode: a copy rolled
+            # back to the prompts is the prefill, for the reason above
+            source, lengths = held[1], held[2]
+            self.cache = source.select(torch.arange(source.batch_size, device=lengths.device))
+            self.cache.truncate(lengths.clone())
+        else:
+            n_layers = len(self.layers) if self.layers is not None else None
+            self.cache = self.tr.new_cache(len(prompts), max_len + self.CATCHUP, n_layers=n_layers)
+            tokens, lengths = pad_prompts(prompts, self.tr.device)
+            extend(self.tr, self.cache, tokens, n_new=lengths, layers=self.layers, logits_at="none")
+            if self.prefills is not None:
+                self.prefills[shared_key] = (key, self.cache, self.cache.lengths.clone())
         self._prompts_key, self._prompt_lengths = key, self.cache.lengths.clone()
 
     def _logits(self, tokens: torch.Tensor, n_new: torch.Tensor | None = None,
@@ -380,15 +399,18 @@ def make_drafter(name: str, target, **options):
     """Build a drafter by name, with the defaults for every option left out (or None):
     "ngram" (max_ngram, min_ngram, match: `NGramDrafter`'s), "layer_skip" (layers: `default_skip_layers`),
     "draft_model" (draft: a LoadedModel sharing the tokenizer, else draft_layers: the depth of a truncated
-    copy of the target, `draft_models.default_draft_layers` when None)."""
+    copy of the target, `draft_models.default_draft_layers` when None); both model drafters take prefills
+    (`CachedModelDrafter.share_prefills`)."""
     if name == "ngram":
         return NGramDrafter(**{k: v for k, v in options.items() if k in ("max_ngram", "min_ngram", "match")})
     if name == "layer_skip":
-        return LayerSkipDrafter(target, options.get("layers"))
-    if name == "draft_model":
+        drafter = LayerSkipDrafter(target, options.get("layers"))
+    elif name == "draft_model":
         draft = options.get("draft")
         if draft is None:
             draft = draft_model_for(target, n_layers=options.get("draft_layers"))
-        return ModelDrafter(draft, target)
-    raise ValueError(f"drafter={name!r} is unknown; allowed: 'ngram', 'layer_skip', 'draft_model' "
-                     "(MTP heads: decodelab.mtp.drafter; the sparse-KV self-draft: decodelab.speculation.sparse_draft)")
+        drafter = ModelDrafter(draft, target)
+    else:
+        raise ValueError(f"drafter={name!r} is unknown; allowed: 'ngram', 'layer_skip', 'draft_model' (MTP heads: "
+                         "decodelab.mtp.drafter; the sparse-KV self-draft: decodelab.speculation.sparse_draft)")
+    return drafter if options.get("prefills") is None else drafter.share_prefills(options["prefills"])
