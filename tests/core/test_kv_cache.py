@@ -129,3 +129,15 @@ def test_a_decode_step_of_equal_rows_writes_a_slice_with_the_scatters_values(len
     assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
     two_tokens = caches[0].begin_forward(caches[0].positions(2), group=2)
     assert two_tokens.start is None  # verify feeds keep the scatter
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_copy_equals_selecting_every_row_and_owns_its_storage(tiny, view):
+    cache, _ = engine.prefill(tiny, PROMPTS, max_new_tokens=4)
+    source = cache.first_rows(3) if view else cache  # a view into a larger cache copies as well
+    copied, selected = source.copy(), source.select(list(range(source.batch_size)))
+    assert torch.equal(copied.keys, selected.keys) and torch.equal(copied.values, selected.values)
+    assert torch.equal(copied.lengths, selected.lengths) and torch.equal(copied._rows, selected._rows)
+    copied.keys.add_(1.0)
+    copied.truncate(copied.lengths - 1)
+    assert torch.equal(source.keys, selected.keys) and torch.equal(source.lengths, selected.lengths)

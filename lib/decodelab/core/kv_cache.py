@@ -163,6 +163,15 @@ class KVCache:
         out._rows = torch.arange(len(rows), device=rows.device)
         return out
 
+    def copy(self) -> "KVCache":
+        """A copy of every row in order: `select` of all rows, at about twice its speed (a plain copy of the
+        storage, where index_select gathers; ~0.3 vs ~0.65 s for 1.5 GB of keys here)."""
+        out = KVCache.__new__(KVCache)
+        out.keys, out.values = self.keys.clone(), self.values.clone()
+        out.lengths = self.lengths.clone()
+        out._rows = torch.arange(len(out.lengths), device=out.lengths.device)
+        return out
+
     def first_rows(self, batch: int) -> "KVCache":
         """Rows [0, batch) as a cache that shares this one's storage (views: its writes land here) and has its own
         lengths: for runs that write only positions past the rows' lengths and truncate back (a benchmark

@@ -183,7 +183,7 @@ def own_cache(pre: Prefilled) -> Prefilled:
     offset that stays with a method is a bias no number of rounds averages out, so every compared run
     decodes on a copy (plain too) and the copies rotate between the runs from round to round: placement then
     varies like any other round-to-round noise, which the intervals capture."""
-    return dataclasses.replace(pre, cache=pre.cache.select(torch.arange(pre.cache.batch_size)))
+    return dataclasses.replace(pre, cache=pre.cache.copy())
 
 
 def stepwise_min_seconds(step_times: list[list[float]]) -> float:

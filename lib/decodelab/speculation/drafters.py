@@ -280,7 +280,7 @@ class CachedModelDrafter(DrafterBase):
             # another drafter's cache of the same model, layers and prompts, maybe mid-decode: a copy rolled
             # back to the prompts is the prefill, for the reason above
             source, lengths = held[1], held[2]
-            self.cache = source.select(torch.arange(source.batch_size, device=lengths.device))
+            self.cache = source.copy()
             self.cache.truncate(lengths.clone())
         else:
             n_layers = len(self.layers) if self.layers is not None else None
