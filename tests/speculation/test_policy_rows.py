@@ -496,19 +496,3 @@ def test_a_finished_row_ends_the_hold_and_proposal_kinds_never_hold():
     assert policy.bounds == 3  # with proposal kinds every step decides
     with pytest.raises(ValueError, match="hold_steps"):
         RowBudgetPolicy(_never_pays, hold_steps=0)
-
-
-def test_a_method_that_took_plains_steps_is_paired_step_by_step_the_others_by_round(tiny):
-    prompts = _prompts()[:2]
-    answers = engine.generate(tiny, prompts, max_new_tokens=6, eos_token_ids=[]).tokens
-    methods = [("copier", lambda: _Copier(prompts, answers), 2),  # every draft accepted: fewer steps than plain
-               ("ngram", NGramDrafter, lambda b: RowBudgetPolicy(_never_pays))]
-    rows = speculative_bench.run_methods(tiny, prompts, methods, max_new_tokens=6, eos_token_ids=[], repeats=3)
-    plain, drafted, k0 = rows
-    assert k0["mean_k"] == 0 and k0["interval"] == "steps" and drafted["interval"] == "rounds"
-    assert plain["interval"] == "rounds"
-    assert plain["aa_step_low"] <= plain["aa_step_high"] and k0["speedup_low"] <= k0["speedup_high"]
-    assert drafted["aa_step_low"] is None and k0["aa_step_high"] is None
-    single = speculative_bench.run_methods(tiny, _prompts()[:2], methods[1:], max_new_tokens=4, eos_token_ids=[],
-                                           repeats=1)
-    assert single[1]["interval"] == "rounds" and single[1]["speedup_low"] is None and single[0]["aa_step_low"] is None

@@ -531,16 +531,3 @@ def test_trend_sentences_say_falls_only_when_the_speedup_falls_with_batch():
     assert "falls at every larger batch" in a and "1.50x at batch 1" in a and "above plain (> 1x) at batch 1." in a
     assert "rises at every larger batch" in b and "falls" not in b
     assert "batch 1 only" in c
-
-
-def test_notes_say_how_each_interval_was_formed_and_give_the_step_paired_floor():
-    from decodelab.speculation import sweep_goals
-
-    stepped = {"interval": "steps", "repeats": 4}
-    rounds = {"interval": "rounds", "repeats": 4, "capped_steps": 3}
-    step_words, round_words = sweep_goals.interval_words(stepped), sweep_goals.interval_words(rounds)
-    assert "step by step" in step_words and "4 interleaved rounds" in step_words
-    assert "pooled" in round_words and "3 interrupted steps" in round_words
-    plain = [{"batch": 1, "aa_step_low": 0.995, "aa_step_high": 1.004}, {"batch": 64, "aa_step_low": None}]
-    assert sweep_goals.step_floor_sentence(plain).endswith("batch 1 [0.995, 1.004].")
-    assert sweep_goals.step_floor_sentence(plain[1:]) == ""

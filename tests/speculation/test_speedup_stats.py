@@ -11,8 +11,6 @@ from decodelab.speculation.speedup_stats import (
     pooled_speedup_intervals,
     round_rates,
     speedup_interval,
-    step_paired_interval,
-    took_same_steps,
 )
 
 
@@ -165,42 +163,3 @@ def test_cap_interruptions_leaves_runs_whose_rounds_differ_or_are_too_few():
     assert cap_interruptions(two) == (two, 0)
     with pytest.raises(ValueError, match="spike"):
         cap_interruptions(differ, spike=-0.1)
-
-
-def test_step_pairing_is_a_t_interval_over_rounds_of_each_rounds_trimmed_mean_step_log_ratio():
-    tokens = [1] * 10
-    drift = [1.0, 1.3, 0.9]  # whole rounds faster or slower: lands on both sides' steps alike
-    plain = [(tokens, [0.1 * d] * 10) for d in drift]
-    twin = [(tokens, [0.1 * d * 1.002] * 10) for d in drift]
-    method = [(tokens, [0.1 * d * g] * 10) for d, g in zip(drift, (1.01, 1.02, 1.012))]
-    method[1][1][4] = 0.5  # an interrupted step: cut with the top 10% (1 of 10 steps)
-    method[2][1][7] = 0.01  # and one that read fast: cut with the bottom 10%
-    reference = [math.log(1.002) / 2] * 3  # the geometric mean of plain's two runs, per step
-    per_round = [ref - math.log(g) for ref, g in zip(reference, (1.01, 1.02, 1.012))]
-    _, want_low, want_high = log_ratio_interval(per_round)
-    low, high = step_paired_interval([plain, twin], method)
-    assert (low, high) == (pytest.approx(want_low), pytest.approx(want_high))
-    assert step_paired_interval([plain[:1]], method[:1]) == (None, None)  # one round: no interval
-
-
-def test_step_pairing_needs_a_run_that_took_plains_steps_every_round():
-    plain = [([1, 1, 1], [0.1] * 3), ([1, 1, 1], [0.1] * 3)]
-    drafted = [([1, 1, 1], [0.1] * 3), ([2, 1], [0.1] * 2)]  # drafted once in round 2: other steps
-    assert took_same_steps(plain, plain) and not took_same_steps(plain, drafted)
-    assert not took_same_steps(plain, plain[:1])
-    with pytest.raises(ValueError, match="took the steps"):
-        step_paired_interval([plain], drafted)
-    with pytest.raises(ValueError, match="trim"):
-        step_paired_interval([plain], plain, trim=0.5)
-
-
-def test_step_pairing_covers_one_for_plain_against_itself_about_95_percent_of_the_time():
-    rng = np.random.default_rng(3)
-    covered, trials, tokens = 0, 1000, [1] * 20
-    for _ in range(trials):
-        drift = rng.uniform(0.8, 1.2, 4)
-        plain = [(tokens, (0.05 * d * np.exp(rng.normal(0, 0.03, 20))).tolist()) for d in drift]
-        twin = [(tokens, (0.05 * d * np.exp(rng.normal(0, 0.03, 20))).tolist()) for d in drift]
-        low, high = step_paired_interval([plain], twin, trim=0.0)
-        covered += low <= 1.0 <= high
-    assert 0.92 <= covered / trials <= 0.98

@@ -16,13 +16,7 @@ import torch
 from decodelab.common.timing import timed
 from decodelab.core.engine import as_transformer, drive, side_by_side, verify_step  # noqa: F401  (bench.side_by_side)
 from decodelab.speculation.decode import Prefilled, SpecStats, generate, generate_steps, prefill
-from decodelab.speculation.speedup_stats import (
-    cap_interruptions,
-    pooled_speedup_intervals,
-    round_rates,
-    step_paired_interval,
-    took_same_steps,
-)
+from decodelab.speculation.speedup_stats import cap_interruptions, pooled_speedup_intervals, round_rates
 
 
 @torch.inference_mode()
@@ -115,10 +109,7 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
     fastest round's. The interval (`speedup_stats.pooled_speedup_intervals`) pairs a method's run with plain's
     run of the same round, its noise scale pooled over the batch's runs; it needs repeats >= 2 (else None).
     Intervals and round ratios read the rounds with interrupted steps capped (`speedup_stats.cap_interruptions`,
-    every run alike; `capped_steps` counts them per row); the fastest round is as measured. A method that took
-    plain's steps in every round (k = 0 throughout) gets the step-paired interval instead
-    (`speedup_stats.step_paired_interval`; `interval` says which: "rounds" or "steps"), and plain's row the
-    step-paired A/A interval beside its round one (`aa_step_low`, `aa_step_high`).
+    every run alike; `capped_steps` counts them per row); the fastest round is as measured.
     aa_check: plain's second run per round gives plain's own row the interval of plain vs itself (an A/A
     check: it should cover 1 and be narrow; its width is the noise floor), and joins plain's first run as
     each round's reference for the methods' intervals (both are plain: their mean is a better reference
@@ -171,23 +162,12 @@ def run_methods(model, prompts: list[list[int]], methods: list[tuple], *, max_ne
     # plain's own row: plain against its A/A twin, two single runs (without the twin plain vs itself is 1)
     aa = pooled_speedup_intervals(rounds[0], twins + methods_rounds)[0] if aa_check else (None, None)
     intervals = [aa] + intervals
-    # a method that took plain's steps in every round (k = 0 throughout) is paired step by step instead
-    plain_runs = [rounds[0], *twins]
-    kinds = ["rounds"] * len(intervals)
-    for i, m in enumerate(methods_rounds, start=1):
-        if repeats >= 2 and all(took_same_steps(p, m) for p in plain_runs):
-            intervals[i], kinds[i] = step_paired_interval(plain_runs, m), "steps"
-    # plain's A/A step by step too: the noise floor of the step-paired rows
-    aa_steps = (step_paired_interval([rounds[0]], rounds[-1])
-                if aa_check and repeats >= 2 and took_same_steps(rounds[0], rounds[-1]) else (None, None))
     paired_rounds = [rounds[-1] if aa_check else rounds[0]] + methods_rounds
     out = []
     listed = runs[:-1] if aa_check else runs
     for i, ((name, _, k), res, paired, (low, high)) in enumerate(zip(listed, best, paired_rounds, intervals)):
         out.append(_row(res.stats, batch=B, drafter=name, k="adaptive" if callable(k) else k, repeats=repeats,
                         speedup=res.stats.decode_tokens_per_s / plain_tps, speedup_low=low, speedup_high=high,
-                        interval=kinds[i], aa_step_low=None if i else aa_steps[0],
-                        aa_step_high=None if i else aa_steps[1],
                         round_speedups=(round_rates(paired) / (reference if i else plain_rates)).tolist(),
                         capped_steps=capped[i] + (capped[-1] if i == 0 and aa_check else 0),
                         row_k=res.stats.row_k, tokens=res.tokens))

@@ -41,16 +41,6 @@ difference then carries the noise of one run plus half of one, s^2 (1 + 1/P) per
 instead of 2 s^2 (half-width x sqrt(3/4) at P = 2). The twin still gives plain's own A/A interval (plain
 vs twin, both single runs), and it enters each stratum's table as one more full-length row.
 
-Runs that took plain's steps (`step_paired_interval`). A policy that chose k = 0 at every step (and plain's
-twin) takes plain's steps one for one: the same tokens per step, every round. Its question, "does deciding cost
-anything?", is then answered step by step, as the k = 0 benchmark answers it: in a round stepped side by side a
-step of the method and plain's same step run a fraction of a second apart, so the drift that lands between two
-runs' steps over a round cancels. Per round, the mean log ratio over its steps (STEP_TRIM of them cut at each
-tail: an interrupted step on either side), then a Student t interval over the rounds. Measured on the run of
-record before this (batch 16, 4 rounds), such a row's round ratios spread 0.981-1.009 and plain's own A/A
-round interval was [0.976, 1.012]: the round estimator could not resolve the 2% a "never loses" bound at 0.98
-judges, whatever the policy did. Every other row (drafting at some step) keeps the pooled round interval.
-
 Interrupted steps (`cap_interruptions`). Measured at batch 1 (8 rounds of 31 steps of ~43 ms), a run's step
 now and then took 60-75 ms, 1.4-1.8x the same step in its other rounds: another process or an interrupt took
 the core for one step of one run, and one such step moves that run's round by 1-2%, the whole margin a "never
@@ -163,36 +153,3 @@ def pooled_speedup_intervals(plain_rounds: list[tuple[list, list]], methods_roun
             gain = float((logs[m + n_plain] - reference).mean())
             out[m] = (math.exp(gain - half), math.exp(gain + half))
     return out
-
-
-STEP_TRIM = 0.1  # the share of a round's paired steps dropped at each tail of a step-paired ratio
-
-
-def took_same_steps(plain_rounds: list[tuple[list, list]], method_rounds: list[tuple[list, list]]) -> bool:
-    """Whether a run took plain's steps in every round: as many rounds, each with plain's tokens per step (a
-    policy that chose k = 0 at every step, or plain's own twin)."""
-    return len(plain_rounds) == len(method_rounds) and all(
-        list(p) == list(m) for (p, _), (m, _) in zip(plain_rounds, method_rounds))
-
-
-def step_paired_interval(plain_runs: list[list[tuple[list, list]]], method_rounds: list[tuple[list, list]], *,
-                         trim: float = STEP_TRIM, level: float = 0.95) -> tuple[float | None, float | None]:
-    """(low, high) of a method's decode rate over plain's, for a method that took plain's steps in every round
-    (`took_same_steps`), paired step by step (module docstring): per round, the mean over its steps of
-    log(reference step seconds / the method's same step's seconds), `trim` of the steps cut at each tail; the
-    reference step is the geometric mean of plain's runs' same step (plain and its twins); then a Student t
-    interval over the rounds (`log_ratio_interval`). (None, None) with one round.
-
-    plain_runs: one list of rounds (step_tokens, step_seconds) per plain run (plain, then its twins). A cost
-    the method pays on fewer than `trim` of a round's steps is trimmed away with the interruptions; the point
-    speedup (fastest round over fastest round) keeps it."""
-    if not 0 <= trim < 0.5:
-        raise ValueError(f"trim={trim!r} must be in [0, 0.5)")
-    if not plain_runs or any(not took_same_steps(p, method_rounds) for p in plain_runs):
-        raise ValueError("step pairing needs a method that took the steps of every plain run in every round")
-    per_round = []
-    for r, (_, seconds) in enumerate(method_rounds):
-        reference = np.mean([np.log(np.asarray(run[r][1], dtype=float)) for run in plain_runs], axis=0)
-        per_round.append(float(scipy_stats.trim_mean(reference - np.log(np.asarray(seconds, dtype=float)), trim)))
-    ci = log_ratio_interval(per_round, level=level)
-    return (None, None) if ci is None else (ci[1], ci[2])

@@ -3,7 +3,7 @@ transformers side by side (`bench.hf_side_by_side`) and the roofline's validatio
 from __future__ import annotations
 
 from decodelab.speculation.bench import K0_TRIM
-from decodelab.speculation.speedup_stats import SPIKE, STEP_TRIM
+from decodelab.speculation.speedup_stats import SPIKE
 
 # The notebook's stated goals: name -> (op, target). Targets are defined once, here.
 GOAL_TARGETS = {
@@ -98,8 +98,10 @@ def never_loses_goals(rows: list[dict], *, drafters, goal) -> list:
                         unit="x", label=f"adaptive policy ({d}) vs plain, lower 95% bound at its worst batch",
                         note=("the adaptive policy did not run" if not cells
                               else "no interval: the sweep needs >= 2 timing rounds (sweep_repeats)" if worst is None
-                              else f"worst batch {worst['batch']} of {[r['batch'] for r in cells]}; "
-                                   + interval_words(worst))))
+                              else f"worst batch {worst['batch']} of {[r['batch'] for r in cells]}; paired by "
+                                   f"{worst['repeats']} interleaved rounds, noise pooled over the batch's runs of "
+                                   f"like length, {worst.get('capped_steps', 0)} interrupted steps of its runs "
+                                   "capped")))
         fractions = [(r["speedup"] / b, r["batch"]) for r in cells
                      if (b := best_speedup(rows, d, r["batch"])) is not None and b > 0]
         low = min(fractions) if fractions else None
@@ -108,16 +110,6 @@ def never_loses_goals(rows: list[dict], *, drafters, goal) -> list:
                         note="no batch with both adaptive and fixed-k cells" if low is None
                         else f"worst batch {low[1]}"))
     return out
-
-
-def interval_words(row: dict) -> str:
-    """How a sweep row's interval was formed (`bench.run_methods`), in words for a goal's note."""
-    if row.get("interval") == "steps":
-        return (f"it took plain's steps (k = 0 throughout), so paired step by step with plain's runs in "
-                f"{row['repeats']} interleaved rounds, {STEP_TRIM:.0%} of each round's steps trimmed at each tail, "
-                "a t interval over the rounds")
-    return (f"paired by {row['repeats']} interleaved rounds, noise pooled over the batch's runs of like length, "
-            f"{row.get('capped_steps', 0)} interrupted steps of its runs capped")
 
 
 def trend_sentences(best_rows: list[dict]) -> list[str]:
@@ -155,13 +147,4 @@ def noise_sentence(rows: list[dict]) -> str:
             f"pooled over the batch's runs of like length) gives 95% intervals {cells}; a method as long as plain gets "
             "sqrt(3/4) of that width, its reference being the mean of plain's two runs per round. Steps taking more "
             f"than {1 + SPIKE:.2f}x their median over the rounds were capped there before the rounds were summed "
-            f"(interrupted: {capped} steps over the sweep's runs)." + step_floor_sentence(plain))
-
-
-def step_floor_sentence(plain_rows: list[dict]) -> str:
-    """' Paired step by step, ...' on plain's A/A step-paired intervals (the floor of the rows judged that way),
-    or '' when no batch has one."""
-    cells = ", ".join(f"batch {r['batch']} [{r['aa_step_low']:.3f}, {r['aa_step_high']:.3f}]" for r in plain_rows
-                      if r.get("aa_step_low") is not None)
-    return (f" Paired step by step (how a method that took plain's steps, k = 0 throughout, is judged), plain "
-            f"against itself gives {cells}.") if cells else ""
+            f"(interrupted: {capped} steps over the sweep's runs).")
