@@ -1,4 +1,4 @@
-"""The C RoPE equals torch's ops bit for bit in fp32 and bf16, and steps aside where it cannot."""
+"""The C RoPE equals torch's ops bit for bit in fp32, and steps aside where it does not apply."""
 import pytest
 import torch
 
@@ -6,7 +6,7 @@ from decodelab.core import native_rope
 
 
 def _bits(t):
-    return t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+    return t.contiguous().view(torch.int32)
 
 
 def _qk_view(batch, n_new, heads, dim, dtype, g, scale):
@@ -15,9 +15,9 @@ def _qk_view(batch, n_new, heads, dim, dtype, g, scale):
     return qkv[:, :, :heads].transpose(1, 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1, 12, 64), (16, 1, 12, 64), (2, 5, 3, 128), (1, 300, 16, 64), (3, 2, 1, 2)])
-def test_kernel_equals_torch_bit_for_bit(dtype, shape):
+def test_kernel_equals_torch_bit_for_bit(shape):
+    dtype = torch.float32
     if native_rope.kernel() is None:
         pytest.skip("no C compiler here: torch runs RoPE")
     batch, n_new, heads, dim = shape
@@ -34,6 +34,7 @@ def test_kernel_equals_torch_bit_for_bit(dtype, shape):
 def test_kernel_steps_aside_where_it_does_not_apply():
     x, cos = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8)
     assert native_rope.rope(x.half(), cos.half(), cos.half()) is None  # another dtype
+    assert native_rope.rope(x.bfloat16(), cos.bfloat16(), cos.bfloat16()) is None  # bf16: torch's ops are faster
     assert native_rope.rope(x, cos.bfloat16(), cos.bfloat16()) is None  # mixed dtypes
     assert native_rope.rope(torch.randn(1, 2, 3, 7), torch.randn(1, 1, 3, 7), torch.randn(1, 1, 3, 7)) is None  # odd D
     assert native_rope.rope(torch.randn(1, 2, 8, 3).transpose(2, 3), cos, cos) is None  # D not contiguous
@@ -49,7 +50,7 @@ def test_a_kernel_the_probe_finds_unequal_is_left_to_torch(monkeypatch):
     monkeypatch.setattr(native_rope, "_run", lambda x, cos, sin: real(x, cos, sin) * 1.0001)
     native_rope.matches_torch.cache_clear()
     try:
-        assert not native_rope.matches_torch(torch.float32)
+        assert not native_rope.matches_torch()
         assert native_rope.rope(torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8)) is None
     finally:
         native_rope.matches_torch.cache_clear()
