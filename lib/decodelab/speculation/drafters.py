@@ -1,7 +1,7 @@
 """Drafters: cheap guesses of the next k tokens that the target model then verifies in one step.
 
-Every drafter implements the `Drafter` protocol below, so the speculative loop
-(`decodelab.speculation.decode`) knows nothing about where drafts come from. Shipped here:
+Every drafter implements the `Drafter` protocol below, so the speculative loop (`decodelab.speculation.decode`)
+knows nothing about where drafts come from. Shipped here:
 
 - `NGramDrafter`     prompt lookup: copy what followed the latest earlier occurrence of the
                      current n-gram suffix (no model; Saxena 2023, HF `prompt_lookup_num_tokens`).
@@ -9,23 +9,21 @@ Every drafter implements the `Drafter` protocol below, so the speculative loop
                      head, with its own KV cache (Draft & Verify, Zhang et al. 2023; no training).
 - `ModelDrafter`     any causal LM sharing the target's tokenizer (Leviathan et al. 2023).
 
-The MTP-heads drafter lives in `decodelab.mtp.drafter` and implements the same protocol. `make_drafter`
-builds the shipped ones by name with the notebook's defaults (which layers to skip, how deep a draft);
+The MTP-heads drafter lives in `decodelab.mtp.drafter` and implements the same protocol. `make_drafter` builds the
+shipped ones by name with the notebook's defaults (which layers to skip, how deep a draft);
 `decodelab.speculation.draft_models` builds or loads the draft model itself.
 
 Protocol, step by step (the loop in `decodelab.speculation.decode.generate` drives it):
 
     drafter.begin(prompts, max_len=...)      # once, after the target's prefill
-    loop:
-        proposal = drafter.propose(ctx, k)    # k >= 1 drafts per row
-        ... target verifies, row b accepts n_accepted[b] of its drafts ...
-        drafter.rollback(n_accepted)          # forget the rejected drafts
+    loop: proposal = drafter.propose(ctx, k)  # k >= 1 drafts per row; the target verifies them, row b accepts
+          drafter.rollback(n_accepted)        # n_accepted[b] of its drafts: forget the rejected ones
 
-`ctx.tokens[b]` is row b's whole sequence so far: prompt + every token accepted so far, ending with
-the *pending* token (the target's latest choice, which has not been fed to the target yet). The
-drafts continue after it: `proposal.tokens[b, 0]` is the guess for the token after
-`ctx.tokens[b][-1]`. `ctx.tokens` only ever grows (accepted tokens are never taken back), so a
-drafter may keep incremental state keyed on how much of each row it has already seen.
+`ctx.tokens[b]` is row b's whole sequence so far: prompt + every token accepted so far, ending with the *pending*
+token (the target's latest choice, which has not been fed to the target yet). The drafts continue after it:
+`proposal.tokens[b, 0]` is the guess for the token after `ctx.tokens[b][-1]`. `ctx.tokens` only ever grows (accepted
+tokens are never taken back), so a drafter may keep incremental state keyed on how much of each row it has already
+seen.
 """
 from __future__ import annotations
 
@@ -50,23 +48,21 @@ class DraftContext:
 
     tokens       list of B lists of ints: each row's prompt + accepted tokens, ending with the pending
                  token (chosen by the target, not yet in the target's KV cache).
-    last_hidden  (B, D) or None: the target's final-normed hidden state (the input of its LM head) at
-                 each row's last position in the target's cache, i.e. at index len(tokens[b]) - 2:
-                 the state whose LM-head output produced the pending token tokens[b][-1]. MTP heads
-                 read it to predict tokens[b][-1]'s successors. None when the loop does not compute it
-                 (only drafters with `needs_hidden = True` get it).
+    last_hidden  (B, D) or None: the target's final-normed hidden state (the input of its LM head) at each row's
+                 last position in the target's cache, i.e. at index len(tokens[b]) - 2: the state whose LM-head
+                 output produced the pending token tokens[b][-1]. MTP heads read it to predict tokens[b][-1]'s
+                 successors. None when the loop does not compute it (only `needs_hidden = True` drafters get it).
     active       (B,) bool: rows still generating. Drafts for finished rows are ignored, so a drafter
                  may skip work for them (it must still return B rows).
     sampler      None for greedy drafting, else a `decodelab.core.sampling.Sampler` whose `.probs` gives
                  the drafter's processed distribution q (the same processing as the target's p).
     generator    torch.Generator for the drafter's own sampling (None when greedy), or a list of one
                  per row (draw row b's numbers from generator[b] only, as `sampling.draw_uniforms` does).
-    new_hidden   (B, T, D) or None (only for `needs_hidden` drafters): the target's final-normed hidden
-                 states of every position it cached since the previous `propose` (at the first
-                 propose: the whole prompt), left-aligned per row; row b's valid ones are
-                 [:new_hidden_lengths[b]] and belong to positions len(tokens[b]) - 1 - new_hidden_lengths[b]
-                 .. len(tokens[b]) - 2 (the pending token is not cached yet). MTP heads feed them to
-                 keep their own context complete.
+    new_hidden   (B, T, D) or None (only for `needs_hidden` drafters): the target's final-normed hidden states of
+                 every position it cached since the previous `propose` (at the first propose: the whole prompt),
+                 left-aligned per row; row b's valid ones are [:new_hidden_lengths[b]] and belong to positions
+                 len(tokens[b]) - 1 - new_hidden_lengths[b] .. len(tokens[b]) - 2 (the pending token is not cached
+                 yet). MTP heads feed them to keep their own context complete.
     new_hidden_lengths  (B,) long or None, see new_hidden.
     """
 
@@ -164,15 +160,14 @@ class DrafterBase:
 
 
 class NGramDrafter(DrafterBase):
-    """Prompt lookup: find the latest earlier occurrence of each row's last n tokens (n from
-    `max_ngram` down to `min_ngram`) and propose the k tokens that followed it. No model, batched.
+    """Prompt lookup: find the latest earlier occurrence of each row's last n tokens (n from `max_ngram` down to
+    `min_ngram`) and propose the k tokens that followed it. No model, batched.
 
-    Each row keeps a dict (n-gram -> end index of its latest occurrence with a continuation), updated
-    incrementally as ctx.tokens grows, so a step costs O(new tokens) per row, not O(sequence).
-    When the continuation runs into the current end of the sequence it wraps around periodically
-    (a repeated pattern keeps repeating). A row with no match proposes nothing (`lengths[b] = 0`).
-    match="earliest" copies after the n-gram's first occurrence instead (transformers' prompt lookup
-    does, and in code editing the first occurrence is often the passage being copied).
+    Each row keeps a dict (n-gram -> end index of its latest occurrence with a continuation), updated incrementally as
+    ctx.tokens grows, so a step costs O(new tokens) per row, not O(sequence). When the continuation runs into the
+    current end of the sequence it wraps around periodically (a repeated pattern keeps repeating). A row with no
+    match proposes nothing (`lengths[b] = 0`). match="earliest" copies after the n-gram's first occurrence instead
+    (transformers' prompt lookup does, and in code editing the first occurrence is often the passage being copied).
     """
 
     name = "ngram"
@@ -240,12 +235,12 @@ class NGramDrafter(DrafterBase):
 class CachedModelDrafter(DrafterBase):
     """Autoregressive drafting with a causal LM (or a layer subset of one) and its own KV cache.
 
-    The draft cache holds every token of ctx.tokens except, between steps, the not-yet-seen ones:
-    `propose` first feeds each row's unseen suffix (ragged: the pending token, plus the last draft when
-    all k were accepted, or everything since the last proposal after plain steps) in ONE batched forward,
-    then drafts k tokens one at a time; `rollback` truncates the drafts that the target rejected. Steps
-    where the policy chose k = 0 cost the draft nothing: it catches up lazily when drafting resumes.
-    Cost per drafting step: one catch-up forward + (k - 1) single-token forwards.
+    The draft cache holds every token of ctx.tokens except, between steps, the not-yet-seen ones: `propose` first feeds
+    each row's unseen suffix (ragged: the pending token, plus the last draft when all k were accepted, or everything
+    since the last proposal after plain steps) in ONE batched forward, then drafts k tokens one at a time;
+    `rollback` truncates the drafts that the target rejected. Steps where the policy chose k = 0 cost the draft
+    nothing: it catches up lazily when drafting resumes. Cost per drafting step: one catch-up forward + (k - 1)
+    single-token forwards.
     """
 
     CATCHUP = 16  # spare cache positions beyond max_len: scratch room of the ragged catch-up forward
@@ -257,38 +252,32 @@ class CachedModelDrafter(DrafterBase):
         self.name = name
         self.cache = None
         self._base: torch.Tensor | None = None
-        self.prefills: dict | None = None
+        self.prefills: dict | None = None  # shared with other drafters: {(model, layers): their latest prefill}
 
     def share_prefills(self, prefills: dict) -> "CachedModelDrafter":
-        """Take the prompt cache from `prefills` (a dict shared by drafters, of any kind, that may run the same
-        model and layers on the same prompts: a sweep's fixed-k and adaptive methods) when one of them has
-        prefilled these prompts, instead of prefilling again; it holds each (model, layers)'s latest prefill."""
+        """Copy a prefill of these prompts by a drafter of this model and layers sharing `prefills`, if any."""
         self.prefills = prefills
         return self
 
     def begin(self, prompts: list[list[int]], *, max_len: int) -> None:
-        # the same prompts as the previous run (a sweep running several methods on one batch): the prompt
-        # positions of the cache were never overwritten (only positions past each prompt are), so rolling
-        # the cache back to the prompts is the same state as prefilling them again
+        # the same prompts as the previous run (a sweep's methods on one batch): the prompt positions were never
+        # overwritten (only positions past each prompt are), so the cache rolled back to them is their prefill
         key = (tuple(map(tuple, prompts)), max_len)
         if self.cache is not None and getattr(self, "_prompts_key", None) == key:
             self.cache.truncate(self._prompt_lengths.clone())
             return
-        shared_key = (id(self.tr), None if self.layers is None else tuple(self.layers))
-        held = None if self.prefills is None else self.prefills.get(shared_key)
-        if held is not None and held[0] == key:
-            # another drafter's cache of the same model, layers and prompts, maybe mid-decode: a copy rolled
-            # back to the prompts is the prefill, for the reason above
-            source, lengths = held[1], held[2]
-            self.cache = source.copy()
-            self.cache.truncate(lengths.clone())
+        shared = (id(self.tr), None if self.layers is None else tuple(self.layers))
+        held = (self.prefills or {}).get(shared)
+        if held is not None and held[0] == key:  # another drafter's cache, maybe mid-decode: rolled back, as above
+            self.cache = held[1].copy()
+            self.cache.truncate(held[2].clone())
         else:
             n_layers = len(self.layers) if self.layers is not None else None
             self.cache = self.tr.new_cache(len(prompts), max_len + self.CATCHUP, n_layers=n_layers)
             tokens, lengths = pad_prompts(prompts, self.tr.device)
             extend(self.tr, self.cache, tokens, n_new=lengths, layers=self.layers, logits_at="none")
             if self.prefills is not None:
-                self.prefills[shared_key] = (key, self.cache, self.cache.lengths.clone())
+                self.prefills[shared] = (key, self.cache, self.cache.lengths.clone())
         self._prompts_key, self._prompt_lengths = key, self.cache.lengths.clone()
 
     def _logits(self, tokens: torch.Tensor, n_new: torch.Tensor | None = None,
@@ -350,9 +339,8 @@ class CachedModelDrafter(DrafterBase):
                              probs=None if ctx.sampler is None else torch.stack(probs, 1))
 
     def relative_cost(self, target) -> float:
-        """The weights one drafted token reads over those one target token reads (decoder layers run and LM
-        head): what a draft forward costs in target forwards where decoding is weight-bound (a policy's
-        prior before it has timed a draft). target: a Transformer."""
+        """Weights a drafted token reads over those a target token (a Transformer) reads, layers run and LM head:
+        a draft forward's cost in target forwards where decoding is weight-bound (a policy's prior)."""
         return weight_bytes(self.tr, self.layers) / weight_bytes(target)
 
     def rollback(self, n_accepted: torch.Tensor) -> None:
@@ -362,8 +350,7 @@ class CachedModelDrafter(DrafterBase):
 
 
 def weight_bytes(tr, layers=None) -> int:
-    """Bytes of the weights one token's forward through `tr` (a Transformer) reads: the decoder `layers` it
-    runs (None: all) and the LM head."""
+    """Bytes of the weights a token's forward through Transformer `tr` reads: `layers` (None: all), LM head."""
     run = tr.layers if layers is None else [tr.layers[i] for i in layers]
     return sum(p.numel() * p.element_size() for module in [*run, tr.lm_head] for p in module.parameters())
 
@@ -375,8 +362,8 @@ def default_skip_layers(n_layers: int) -> list[int]:
 
 class LayerSkipDrafter(CachedModelDrafter):
     """Self-speculation without training: the target's own `layers` (a subset, in order; None:
-    `default_skip_layers`) + its final norm and LM head, with a KV cache of len(layers) slots
-    (Draft & Verify, Zhang et al. 2023)."""
+    `default_skip_layers`) + its final norm and LM head, with a KV cache of len(layers) slots (Draft & Verify,
+    Zhang et al. 2023)."""
 
     def __init__(self, model, layers=None):
         tr = getattr(model, "transformer", model)
@@ -399,18 +386,15 @@ def make_drafter(name: str, target, **options):
     """Build a drafter by name, with the defaults for every option left out (or None):
     "ngram" (max_ngram, min_ngram, match: `NGramDrafter`'s), "layer_skip" (layers: `default_skip_layers`),
     "draft_model" (draft: a LoadedModel sharing the tokenizer, else draft_layers: the depth of a truncated
-    copy of the target, `draft_models.default_draft_layers` when None); both model drafters take prefills
-    (`CachedModelDrafter.share_prefills`)."""
+    copy of the target, `draft_models.default_draft_layers` when None)."""
     if name == "ngram":
         return NGramDrafter(**{k: v for k, v in options.items() if k in ("max_ngram", "min_ngram", "match")})
     if name == "layer_skip":
-        drafter = LayerSkipDrafter(target, options.get("layers"))
-    elif name == "draft_model":
+        return LayerSkipDrafter(target, options.get("layers"))
+    if name == "draft_model":
         draft = options.get("draft")
         if draft is None:
             draft = draft_model_for(target, n_layers=options.get("draft_layers"))
-        drafter = ModelDrafter(draft, target)
-    else:
-        raise ValueError(f"drafter={name!r} is unknown; allowed: 'ngram', 'layer_skip', 'draft_model' (MTP heads: "
-                         "decodelab.mtp.drafter; the sparse-KV self-draft: decodelab.speculation.sparse_draft)")
-    return drafter if options.get("prefills") is None else drafter.share_prefills(options["prefills"])
+        return ModelDrafter(draft, target)
+    raise ValueError(f"drafter={name!r} is unknown; allowed: 'ngram', 'layer_skip', 'draft_model' "
+                     "(MTP heads: decodelab.mtp.drafter; the sparse-KV self-draft: decodelab.speculation.sparse_draft)")
